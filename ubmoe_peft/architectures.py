@@ -1,0 +1,73 @@
+"""Architecture knowledge as data: where each decoder keeps its FFN.
+
+The UBMoE layer wraps a whole FFN module and finds its projections itself (every ``nn.Linear`` inside it, which
+includes bitsandbytes' 4-bit and 8-bit linears), so the table only needs the FFN's attribute name per ``model_type``.
+Models missing here still work when their decoder layers expose one of ``FALLBACK_FFN_NAMES``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+# model_type -> name of the FFN module inside each decoder layer.
+FFN_MODULES: dict[str, str] = {
+    "llama": "mlp",
+    "mistral": "mlp",
+    "qwen2": "mlp",
+    "qwen3": "mlp",
+    "gemma": "mlp",
+    "gemma2": "mlp",
+    "gemma3_text": "mlp",
+    "phi3": "mlp",
+    "olmo": "mlp",
+    "olmo2": "mlp",
+    "granite": "mlp",
+    "starcoder2": "mlp",
+    "cohere": "mlp",
+    "smollm3": "mlp",
+}
+
+FALLBACK_FFN_NAMES = ("mlp", "feed_forward", "ffn")
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def layer_index(module_name: str) -> int | None:
+    """The decoder layer index in a module name such as ``model.layers.3.mlp`` (the last number in it)."""
+    found = _LAYER_INDEX.findall(module_name)
+    return int(found[-1]) if found else None
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder layers: the items of the largest ``nn.ModuleList`` in the model."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and (best is None or len(module) > len(best[1])):
+            best = (name, module)
+    if best is None:
+        return []
+    return [(f"{best[0]}.{i}" if best[0] else str(i), layer) for i, layer in enumerate(best[1])]
+
+
+def default_ffn_target(model: nn.Module) -> str:
+    """The FFN module name for ``model``: from the table, else the first fallback name its decoder layers have."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in FFN_MODULES:
+        return FFN_MODULES[model_type]
+    layers = decoder_layers(model)
+    for candidate in FALLBACK_FFN_NAMES:
+        if layers and all(hasattr(layer, candidate) for _, layer in layers):
+            return candidate
+    children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+    raise ValueError(
+        f"UBMoE does not know where the FFN of model_type={model_type!r} is: its decoder layers have the children "
+        f"{children} and none is named one of {list(FALLBACK_FFN_NAMES)}. Pass the FFN module's name, for example "
+        f"UBMoEConfig(target_modules=['<ffn name>'])."
+    )
+
+
+def linear_projections(ffn: nn.Module) -> dict[str, nn.Linear]:
+    """Every linear layer inside an FFN, keyed by its dotted name relative to the FFN."""
+    return {name: m for name, m in ffn.named_modules() if name and isinstance(m, nn.Linear)}

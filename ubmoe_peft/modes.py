@@ -1,0 +1,92 @@
+"""Public mode and stage switches: `set_mode`, `get_mode`, `use_mode`, `set_stage`, `routing_stats`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from .tuners.ubmoe.layer import UBMoELayer
+from .tuners.ubmoe.state import MODES, ModeState
+
+STAGES = {"contrastive": "bi", "router": "moe"}
+
+
+def ubmoe_layers(model: nn.Module) -> list[UBMoELayer]:
+    """Every UBMoE layer in ``model`` (a PeftModel, the tuner, the inner transformers model, or a wrapper of it)."""
+    return [m for m in model.modules() if isinstance(m, UBMoELayer)]
+
+
+def _state(model: nn.Module) -> ModeState:
+    state = getattr(getattr(model, "base_model", None), "_ubmoe_state", None) or getattr(model, "_ubmoe_state", None)
+    if state is not None:
+        return state
+    layers = ubmoe_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no UBMoE layers. Wrap it first: peft.get_peft_model(model, UBMoEConfig())."
+        )
+    return layers[0]._state
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    """Switch ``model`` to mode ``"uni"`` (base model), ``"bi"`` (embeddings) or ``"moe"`` (routed generation)."""
+    if mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
+    _state(model).mode = mode
+
+
+def get_mode(model: nn.Module) -> str:
+    """The current mode of ``model``."""
+    return _state(model).mode
+
+
+@contextmanager
+def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
+    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises."""
+    state = _state(model)
+    previous = state.mode
+    set_mode(model, mode)
+    try:
+        yield model
+    finally:
+        state.mode = previous
+
+
+def _active_adapter(model: nn.Module) -> str:
+    active = getattr(model, "active_adapter", None)
+    if isinstance(active, list):
+        if len(active) != 1:
+            raise ValueError(f"set_stage trains one adapter at a time, but {active} are active.")
+        active = active[0]
+    if active is None:
+        active = ubmoe_layers(model)[0].active_adapters[0]
+    return active
+
+
+def set_stage(model: nn.Module, stage: str) -> None:
+    """Prepare a training stage: ``"contrastive"`` (mode bi, only the bi experts train) or ``"router"`` (mode moe,
+    only the routers train). Every other parameter of the model is frozen."""
+    if stage not in STAGES:
+        raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
+    adapter = _active_adapter(model)
+    layers = ubmoe_layers(model)
+    if not any(adapter in layer.ubmoe_router for layer in layers):
+        raise ValueError(f"Adapter {adapter!r} is not a UBMoE adapter of this model.")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for layer in layers:
+        params = layer.expert_parameters(adapter) if stage == "contrastive" else layer.router_parameters(adapter)
+        for param in params:
+            param.requires_grad_(True)
+    set_mode(model, STAGES[stage])
+
+
+def routing_stats(model: nn.Module) -> dict[int, float] | None:
+    """{layer index: share of real tokens sent to the bi expert} in the last mode-moe forward (top_k=2: the mean bi
+    weight); None before any mode-moe forward."""
+    routing = _state(model).routing
+    if not routing:
+        return None
+    return {layer: float(share) for layer, share in sorted(routing.items())}

@@ -1,0 +1,102 @@
+"""`UBMoEConfig`: the adapter configuration, saved as ``adapter_config.json``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from peft.config import PeftConfig
+
+from ..._peft_type import UBMOE_PEFT_TYPE
+
+EXPERT_TYPES = ("lora", "copy")
+ROUTER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class UBMoEConfig(PeftConfig):
+    """Pairs every targeted FFN (the unidirectional expert) with a bidirectional expert and a token-level router."""
+
+    expert_type: Literal["lora", "copy"] = field(
+        default="lora",
+        metadata={
+            "help": "How the bidirectional expert is built: 'lora' adds LoRA deltas on the FFN's projections (base "
+            "weights shared and frozen); 'copy' is a full trainable copy of the FFN."
+        },
+    )
+    r: int = field(default=8, metadata={"help": "LoRA rank of the bidirectional expert (expert_type='lora')."})
+    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the delta is scaled by alpha/r (alpha/sqrt(r) with rsLoRA)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
+    use_rslora: bool = field(
+        default=True, metadata={"help": "Rank-stabilized LoRA scaling alpha/sqrt(r), as in the UBMoE paper."}
+    )
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={
+            "help": "Names of the FFN modules to wrap (matched against the end of module names, or a regex when a "
+            "string). Default: found from the model_type table, else the decoder layers' 'mlp'/'feed_forward'."
+        },
+    )
+    ffn_projections: Optional[list[str]] = field(
+        default=None,
+        metadata={
+            "help": "Names, relative to the FFN, of the linear layers that get LoRA deltas. Default: every linear "
+            "layer inside the FFN (e.g. gate_proj, up_proj, down_proj)."
+        },
+    )
+    top_k: int = field(
+        default=1,
+        metadata={
+            "help": "Experts per token in mode 'moe': 1 routes each token to one expert (the paper, base-model "
+            "cost); 2 is a soft mixture of both experts (about twice the FFN cost)."
+        },
+    )
+    router_dtype: str = field(
+        default="float32",
+        metadata={"help": f"dtype of the router weights and logits, one of {ROUTER_DTYPES}; float32 is safest."},
+    )
+    layers_to_transform: Optional[Union[list[int], int]] = field(
+        default=None,
+        metadata={"help": "Decoder layer indices whose FFN is wrapped. Default: every layer."},
+    )
+    modules_to_save: Optional[list[str]] = field(
+        default=None, metadata={"help": "Extra modules to train and save in full (PEFT's usual option)."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = UBMOE_PEFT_TYPE
+        if self.expert_type not in EXPERT_TYPES:
+            raise ValueError(
+                f"UBMoEConfig(expert_type={self.expert_type!r}) is not supported: use one of {list(EXPERT_TYPES)}."
+            )
+        if isinstance(self.top_k, bool) or self.top_k not in (1, 2):
+            raise ValueError(
+                f"UBMoEConfig(top_k={self.top_k!r}) is invalid: UBMoE has two experts, so top_k must be 1 "
+                "(route each token to one expert) or 2 (mix both)."
+            )
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"UBMoEConfig(r={self.r!r}) is invalid: the LoRA rank must be a positive integer.")
+        if not 0.0 <= float(self.lora_dropout) < 1.0:
+            raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be in [0, 1).")
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"UBMoEConfig(router_dtype={self.router_dtype!r}) is not supported: use one of {list(ROUTER_DTYPES)}."
+            )
+        if isinstance(self.layers_to_transform, int) and not isinstance(self.layers_to_transform, bool):
+            self.layers_to_transform = [self.layers_to_transform]
+        if self.layers_to_transform is not None and (
+            not isinstance(self.layers_to_transform, (list, tuple))
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layers_to_transform)
+        ):
+            raise ValueError(
+                f"UBMoEConfig(layers_to_transform={self.layers_to_transform!r}) must be a non-negative int or a "
+                "list of them (decoder layer indices)."
+            )
+        if isinstance(self.target_modules, (list, tuple, set)):
+            self.target_modules = list(self.target_modules)
+
+    @property
+    def scaling(self) -> float:
+        """The factor on the LoRA delta B(A(x))."""
+        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)

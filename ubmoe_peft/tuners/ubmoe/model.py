@@ -1,0 +1,225 @@
+"""`UBMoEModel`: the PEFT tuner that wraps FFNs in UBMoE layers and switches attention per mode."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner
+from torch import nn
+
+from ...architectures import FFN_MODULES, decoder_layers, default_ffn_target, layer_index, linear_projections
+from .config import UBMoEConfig
+from .layer import UBMoELayer, merge_unsupported, selected_projections
+from .state import ModeState
+
+# Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
+BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+_ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
+
+
+def _matches(config: UBMoEConfig, key: str) -> bool:
+    targets = config.target_modules
+    if isinstance(targets, str):
+        hit = re.fullmatch(targets, key) is not None
+    else:
+        hit = any(key == t or key.endswith(f".{t}") for t in targets or [])
+    if hit and config.layers_to_transform is not None:
+        hit = layer_index(key) in config.layers_to_transform
+    return hit
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class UBMoEModel(BaseTuner):
+    """Wraps each targeted FFN of ``model`` in a `UBMoELayer` and makes attention bidirectional in mode ``"bi"``."""
+
+    prefix: str = "ubmoe_"
+    tuner_layer_cls = UBMoELayer
+    target_module_mapping = {model_type: [name] for model_type, name in FFN_MODULES.items()}
+
+    def __init__(self, model, config, adapter_name, low_cpu_mem_usage: bool = False, state_dict=None) -> None:
+        # The layers created during super().__init__ share this object, so it must exist before injection.
+        object.__setattr__(self, "_ubmoe_state", ModeState())
+        object.__setattr__(self, "_ubmoe_hooks", [])
+        super().__init__(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        self._install_forward_hooks()
+
+    # ---- injection ----------------------------------------------------------------------------------------------
+    def inject_adapter(self, model: nn.Module, adapter_name: str, **kwargs: Any) -> None:
+        validate_config(model, self.peft_config[adapter_name])  # every check runs before any module changes
+        super().inject_adapter(model, adapter_name, **kwargs)
+
+    def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
+        return peft_config  # target_modules are resolved by validate_config, which can see the whole model
+
+    @staticmethod
+    def _check_target_module_exists(peft_config: UBMoEConfig, key: str) -> bool:
+        return _matches(peft_config, key)
+
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **_):
+        if isinstance(target, UBMoELayer):
+            target.update_layer(adapter_name, peft_config)
+            return
+        hidden = getattr(_text_config(self.model), "hidden_size", None) or next(
+            iter(linear_projections(target).values())
+        ).in_features
+        new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, layer_index(current_key) or 0, hidden)
+        if adapter_name not in self.active_adapters:
+            new.requires_grad_(False)
+        self._replace_module(parent, target_name, new, target)
+
+    def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
+        # Dtypes are chosen when experts are built: LoRA in fp32, copies in the base's (compute) dtype, the router in
+        # config.router_dtype. PEFT's blanket fp32 upcast would break a bf16 copy expert's forward.
+        return None
+
+    def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        super()._enable_adapter_layers(enabled)
+        self._ubmoe_state.adapters_enabled = enabled  # disabled adapters also mean causal attention
+
+    # ---- save / load keys ---------------------------------------------------------------------------------------
+    @classmethod
+    def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
+        # Our adapter keys are `...mlp.ubmoe_lora_A.<adapter>.gate_proj.weight`: the adapter name follows the
+        # `ubmoe_*` container, not the end of the key, so PEFT's default rule would keep it and a checkpoint saved as
+        # "default" would silently not load under another name. Loading inverts this same function.
+        return re.sub(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)), r"\1", key)
+
+    # ---- forward hooks: attention per mode ----------------------------------------------------------------------
+    def _install_forward_hooks(self) -> None:
+        backbone = getattr(self.model, "base_model", self.model)
+        self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
+        layers = decoder_layers(self.model)
+        attention = getattr(layers[0][1], "self_attn", None) if layers else None
+        if attention is not None:
+            self._ubmoe_hooks.append(attention.register_forward_pre_hook(self._check_bidirectional, with_kwargs=True))
+
+    def _attn_implementation(self) -> str | None:
+        return getattr(_text_config(self.model), "_attn_implementation", None)
+
+    def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        state = self._ubmoe_state
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        state.begin_forward(mask if isinstance(mask, torch.Tensor) else None)
+        if state.spec.causal or not state.adapters_enabled:
+            return None
+        implementation = self._attn_implementation()
+        if implementation not in BIDIRECTIONAL_ATTENTION:
+            raise ValueError(
+                f"Mode 'bi' needs bidirectional attention, which attn_implementation={implementation!r} does not "
+                f"support here. Load the model with attn_implementation='sdpa' (or one of {BIDIRECTIONAL_ATTENTION})."
+            )
+        if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
+            # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
+            # its first step, whichever wrapper's `generate` was called.
+            raise RuntimeError(
+                "Cannot generate (or use a KV cache) in mode 'bi': each new token would change every earlier hidden "
+                "state. Generate in mode 'moe' or 'uni' (ubmoe_peft.set_mode(model, 'moe'))."
+            )
+        kwargs["is_causal"] = False  # transformers >= 5.2 then builds a bidirectional (padding-only) mask
+        return args, kwargs
+
+    def _check_bidirectional(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Fail loudly if a transformers release turned mode bi's attention causal again (seen in peer projects)."""
+        state = self._ubmoe_state
+        if state.spec.causal or not state.adapters_enabled:
+            return
+        mask = kwargs.get("attention_mask")
+        if mask is None:
+            if kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False:
+                raise _causal_error(self._attn_implementation())
+            return
+        if mask.dim() != 4 or mask.shape[-2] < 2:
+            return
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B, 1|H, Q, K)
+        real = state.token_mask
+        if real is None or real.shape != (mask.shape[0], mask.shape[-1]):
+            real = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)  # (B, K)
+        real = real.to(device=mask.device, dtype=torch.bool)
+        for row in range(mask.shape[0]):
+            positions = real[row].nonzero().flatten()  # real token positions of this row
+            if positions.numel() >= 2 and not bool(allowed[row, 0, positions[0], positions[1]]):
+                raise _causal_error(self._attn_implementation())
+
+    # ---- generation, unload -------------------------------------------------------------------------------------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled:
+            raise RuntimeError(
+                "Cannot generate in mode 'bi': a bidirectional model's earlier states change with every new token, so "
+                "it has no KV cache to decode with. Switch first: ubmoe_peft.set_mode(model, 'moe') (or 'uni')."
+            )
+        return self.model.generate(*args, **kwargs)
+
+    def _unload_and_optionally_merge(self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False,
+                                     adapter_names: list[str] | None = None) -> nn.Module:
+        if merge:
+            raise merge_unsupported()
+        for handle in self._ubmoe_hooks:
+            handle.remove()
+        self._ubmoe_hooks.clear()
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, UBMoELayer):
+                module.remove_hooks()
+                parent_name, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, module.base_layer)
+        if hasattr(self.model, "peft_config"):
+            del self.model.peft_config
+        return self.model
+
+
+def _causal_error(implementation: str | None) -> RuntimeError:
+    import transformers
+
+    return RuntimeError(
+        f"Mode 'bi' asked for bidirectional attention, but transformers {transformers.__version__} with "
+        f"attn_implementation={implementation!r} gave the first layer a causal mask. This transformers release is "
+        "not supported by this ubmoe-peft version; install the transformers range that ubmoe-peft declares."
+    )
+
+
+def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
+    """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
+    if config.target_modules is None:
+        config.target_modules = [default_ffn_target(model)]
+    targets = {name: m for name, m in model.named_modules() if _matches(config, name)}
+    layers = decoder_layers(model)
+    if config.layers_to_transform is not None:
+        bad = [i for i in config.layers_to_transform if i >= len(layers)]
+        if bad:
+            raise ValueError(
+                f"UBMoEConfig(layers_to_transform={config.layers_to_transform}) names layers {bad}, but the model has "
+                f"{len(layers)} decoder layers (0..{len(layers) - 1})."
+            )
+    if not targets:
+        children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+        raise ValueError(
+            f"Target modules {config.target_modules} not found in the base model. Its decoder layers have the "
+            f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
+        )
+    for name, module in targets.items():
+        if isinstance(module, UBMoELayer):
+            module = module.base_layer
+        if isinstance(module, nn.Linear):
+            raise ValueError(
+                f"Target module {name!r} is a single linear layer, but UBMoE wraps a whole FFN (its projections "
+                f"become the experts). Target the FFN module instead, e.g. target_modules=['{name.rsplit('.', 2)[-2]}']."
+            )
+        projections = selected_projections(module, config)
+        if not projections:
+            raise ValueError(
+                f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside, so UBMoE cannot build "
+                "experts for it. Target the FFN module of the decoder layers."
+            )
+        if config.expert_type == "lora":
+            for proj_name, proj in projections.items():
+                if config.r > min(proj.in_features, proj.out_features):
+                    raise ValueError(
+                        f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
+                        f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
+                    )

@@ -1,0 +1,55 @@
+"""The three modes of a wrapped model and the per-model state the wrapped layers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """What a mode does: whether attention is causal, and which FFN expert(s) run."""
+
+    causal: bool
+    ffn: str  # "uni" (original FFN), "bi" (bidirectional expert), "moe" (routed)
+
+
+# A future attention adapter used only by mode "bi" adds one field here (e.g. attention="bi"), not a new mode system.
+MODES: dict[str, ModeSpec] = {
+    "uni": ModeSpec(causal=True, ffn="uni"),
+    "bi": ModeSpec(causal=False, ffn="bi"),
+    "moe": ModeSpec(causal=True, ffn="moe"),
+}
+
+
+class ModeState:
+    """Mode and routing statistics of one wrapped model; every UBMoE layer of that model holds the same object."""
+
+    def __init__(self) -> None:
+        self.mode = "moe"
+        self.adapters_enabled = True
+        self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
+        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> bi share (0-dim tensor), last moe forward
+
+    @property
+    def spec(self) -> ModeSpec:
+        return MODES[self.mode]
+
+    def begin_forward(self, attention_mask: torch.Tensor | None) -> None:
+        self.token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        if self.mode == "moe" and self.adapters_enabled:
+            self.routing = {}
+
+    def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
+        """Store the share of real tokens sent to the bi expert; ``bi_weight`` is (B, T), 0/1 or a soft weight."""
+        if self.routing is None:
+            self.routing = {}
+        weight = bi_weight.detach().float()  # (B, T)
+        mask = self.token_mask
+        if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
+            real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
+            share = (weight * real).sum() / real.sum().clamp_min(1.0)
+        else:
+            share = weight.mean()
+        self.routing[layer_idx] = share
