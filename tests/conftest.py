@@ -1,0 +1,83 @@
+"""Tiny random decoder models built in-process from configs (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import ubmoe_peft  # noqa: F401  (registers the tuner)
+
+VOCAB = 128
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=8),
+    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=8),
+    "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=8, sliding_window=64),
+    "phi3": lambda: Phi3Config(**_COMMON),
+}
+ARCHS = list(CONFIGS)
+ATTNS = ["eager", "sdpa"]
+EXPERTS = ["lora", "copy"]
+NO_SDPA = {"gemma2"}  # transformers refuses sdpa for Gemma2 (soft-capped attention)
+ARCH_ATTNS = [(arch, attn) for arch in ARCHS for attn in ATTNS if not (attn == "sdpa" and arch in NO_SDPA)]
+
+
+def tiny_model(arch: str = "llama", attn: str | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A tiny random causal LM of ``arch`` in eval mode; the same seed gives the same weights."""
+    attn = attn or ("eager" if arch in NO_SDPA else "sdpa")
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def perturb_adapters(model: torch.nn.Module, std: float = 0.5, seed: int = 1) -> None:
+    """Give every expert and router parameter random values, so the experts differ from the base FFN."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ubmoe_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype) * std)
+
+
+def batch(seed: int = 0, b: int = 3, t: int = 9, padding: str | None = "left"):
+    """Random ids and an attention mask; the first row is padded (left/right) by 3 tokens when ``padding`` is set."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, t), generator=gen)  # (B, T)
+    mask = torch.ones_like(ids)  # (B, T)
+    if padding == "left":
+        ids[0, :3], mask[0, :3] = 0, 0
+    elif padding == "right":
+        ids[0, -3:], mask[0, -3:] = 0, 0
+    return ids, mask
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

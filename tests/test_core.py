@@ -1,0 +1,340 @@
+"""The core contract: modes, routing, bidirectional attention, save/load, stages, generation.
+
+Parametrized over architectures x expert kinds x modes (and attention implementations where attention matters).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import ARCH_ATTNS, ARCHS, ATTNS, EXPERTS, batch, perturb_adapters, tiny_model
+from peft import PeftConfig, PeftModel, get_peft_model
+from peft.utils import PeftType
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig, UBMoELayer
+
+MODES = ["uni", "bi", "moe"]
+
+
+def wrap(arch="llama", expert="lora", attn=None, **kw):
+    base = tiny_model(arch, attn)
+    reference = copy.deepcopy(base)
+    model = get_peft_model(base, UBMoEConfig(expert_type=expert, **kw)).eval()
+    return model, reference
+
+
+def layers(model):
+    return [m for m in model.modules() if isinstance(m, UBMoELayer)]
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+# ---- registration -------------------------------------------------------------------------------------------------
+def test_registered_with_peft(tmp_path):
+    assert PeftType("UBMOE") is PeftType.UBMOE and PeftType.UBMOE in list(PeftType)
+    model, _ = wrap()
+    model.save_pretrained(tmp_path)
+    config = PeftConfig.from_pretrained(tmp_path)
+    assert isinstance(config, UBMoEConfig) and config.peft_type == PeftType.UBMOE
+    assert config.target_modules == ["mlp"]
+    trainable, total = model.get_nb_trainable_parameters()
+    assert 0 < trainable < total
+
+
+def test_fresh_model_is_in_mode_moe_and_has_no_stats():
+    model, _ = wrap()
+    assert ubmoe_peft.get_mode(model) == "moe"
+    assert ubmoe_peft.routing_stats(model) is None
+    ids, mask = batch()
+    logits(model, ids, mask)
+    assert ubmoe_peft.routing_stats(model) == {0: 0.0, 1: 0.0}
+
+
+# ---- the base-model invariants ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("arch", "attn"), ARCH_ATTNS)
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_mode_uni_equals_base_after_training(arch, expert, attn):
+    model, reference = wrap(arch, expert, attn)
+    perturb_adapters(model)
+    ubmoe_peft.set_mode(model, "uni")
+    ids, mask = batch()
+    assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fresh_moe_equals_base(arch, expert, top_k):
+    model, reference = wrap(arch, expert, top_k=top_k)
+    ids, mask = batch(padding="left")
+    assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(**kwargs), reference.generate(**kwargs))
+
+
+# ---- bidirectional attention --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("arch", "attn"), ARCH_ATTNS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("padding", [None, "left", "right"])
+def test_only_mode_bi_sees_later_tokens(arch, attn, mode, padding):
+    model, _ = wrap(arch, "lora", attn)
+    perturb_adapters(model, std=0.1)
+    ubmoe_peft.set_mode(model, mode)
+    ids, mask = batch(padding=padding)
+    changed = ids.clone()
+    changed[1:, -1] = (changed[1:, -1] + 1 - 3) % (128 - 3) + 3  # last real token of the unpadded rows
+    with torch.no_grad():
+        h1 = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        h2 = model(input_ids=changed, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    first_changes = (h1[1:, 0] - h2[1:, 0]).abs().max()  # (first token of rows 1..)
+    if mode == "bi":
+        assert first_changes > 1e-4
+    else:
+        assert first_changes == 0
+    # the padded row did not change at all: no real token looks at another row or (in bi) at pads' values
+    assert torch.equal(h1[0][mask[0].bool()], h2[0][mask[0].bool()])
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_mode_bi_ignores_pad_tokens(attn, padding):
+    model, _ = wrap("llama", "lora", attn)
+    perturb_adapters(model, std=0.1)
+    ubmoe_peft.set_mode(model, "bi")
+    ids, mask = batch(padding=padding)
+    other_pads = ids.clone()
+    other_pads[mask == 0] = 77
+    with torch.no_grad():
+        h1 = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        h2 = model(input_ids=other_pads, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    real = mask.bool()
+    torch.testing.assert_close(h1[real], h2[real], rtol=0, atol=1e-5)
+
+
+def test_disable_adapter_is_the_base_model_even_in_mode_bi():
+    model, reference = wrap()
+    perturb_adapters(model)
+    ubmoe_peft.set_mode(model, "bi")
+    ids, mask = batch()
+    with model.disable_adapter():
+        assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+    assert not torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+
+
+# ---- routing ------------------------------------------------------------------------------------------------------
+def _merged_lora_ffn(layer: UBMoELayer, adapter: str = "default") -> torch.nn.Module:
+    """Reference bi expert built another way: the FFN with W + scale * B A merged into each projection."""
+    ffn = copy.deepcopy(layer.base_layer)
+    for m in ffn.modules():
+        m._forward_hooks.clear()
+    with torch.no_grad():
+        for key, a in layer.ubmoe_lora_A[adapter].items():
+            b = layer.ubmoe_lora_B[adapter][key]
+            proj = ffn.get_submodule(key.replace("__", "."))
+            proj.weight += layer.scaling[adapter] * (b.weight @ a.weight)  # (out, r) @ (r, in)
+    return ffn
+
+
+def _bi_reference(layer, expert):
+    return _merged_lora_ffn(layer) if expert == "lora" else layer.ubmoe_copy["default"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma2"])
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_top1_routes_each_token_to_one_expert(arch, expert):
+    model, _ = wrap(arch, expert)
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(4, 16, 32)  # (B, T, C)
+    with torch.no_grad():
+        out = layer(x)  # (B, T, C)
+        logits_ = layer.router_logits("default", x)  # (B, T, 2)
+        to_bi = logits_[..., 1] > logits_[..., 0]  # (B, T)
+        uni, bi = layer.base_layer(x), _bi_reference(layer, expert)(x)  # (B, T, C) each
+    assert 0 < to_bi.sum() < to_bi.numel(), "the test needs both routes"
+    # merged weights round differently from separate deltas: float32 tolerance
+    torch.testing.assert_close(out[to_bi], bi[to_bi], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[~to_bi], uni[~to_bi], rtol=1e-6, atol=1e-6)
+    assert (bi[to_bi] - uni[to_bi]).abs().max() > 1e-3  # routing to bi changed those tokens
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_top2_mixes_both_experts(expert):
+    model, _ = wrap("llama", expert, top_k=2)
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(2, 8, 32)  # (B, T, C)
+    with torch.no_grad():
+        p = layer.router_logits("default", x).softmax(-1)  # (B, T, 2)
+        expected = p[..., :1] * layer.base_layer(x) + p[..., 1:] * _bi_reference(layer, expert)(x)  # (B, T, C)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+    ids, mask = batch()
+    logits(model, ids, mask)
+    stats = ubmoe_peft.routing_stats(model)
+    assert set(stats) == {0, 1} and all(0.0 < s < 1.0 for s in stats.values())
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_top1_runs_each_token_through_one_expert_only(expert):
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model)
+    layer = layers(model)[0]
+    seen = {"uni": 0, "bi": 0}
+
+    def count(kind):
+        return lambda module, args, output: seen.__setitem__(kind, seen[kind] + args[0].shape[:-1].numel())
+
+    bi_module = layer.ubmoe_copy["default"] if expert == "copy" else layer.ubmoe_lora_A["default"]["gate_proj"]
+    hooks = [layer.base_layer.gate_proj.register_forward_hook(count("uni")), bi_module.register_forward_hook(count("bi"))]
+    x = torch.randn(3, 10, 32)  # (B, T, C)
+    with torch.no_grad():
+        logits_ = layer.router_logits("default", x)  # (B, T, 2)
+        n_bi = int((logits_[..., 1] > logits_[..., 0]).sum())
+        layer(x)
+    for h in hooks:
+        h.remove()
+    assert 0 < n_bi < 30
+    assert seen["bi"] == n_bi  # the bi expert saw only its tokens
+    # the shared base projections run once per token for LoRA (deltas ride on them), only on uni tokens for copies
+    assert seen["uni"] == (30 if expert == "lora" else 30 - n_bi)
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_gets_gradient(expert, top_k):
+    model, _ = wrap("llama", expert, top_k=top_k)
+    perturb_adapters(model, std=0.05)
+    ubmoe_peft.set_stage(model, "router")
+    ids, mask = batch()
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    for layer in layers(model):
+        grad = layer.ubmoe_router["default"].weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+
+
+def test_top1_gate_is_exactly_one_and_ties_go_to_uni():
+    model, _ = wrap("llama", "lora")
+    layer = layers(model)[0]
+    with torch.no_grad():
+        layer.ubmoe_lora_B["default"]["down_proj"].weight.normal_()
+    x = torch.randn(2, 5, 32)  # (B, T, C)
+    with torch.no_grad():
+        assert torch.equal(layer(x), layer.base_layer(x))  # zero router: every logit ties -> uni
+    layer.train(False)
+    out = layer(x)  # with grad: the straight-through gate multiplies by p / p.detach() == 1
+    assert torch.equal(out.detach(), layer.base_layer(x).detach())
+
+
+# ---- stages and training ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("stage", ["contrastive", "router"])
+def test_set_stage_trains_exactly_the_named_parameters(expert, stage):
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model, std=0.05)
+    ubmoe_peft.set_stage(model, stage)
+    assert ubmoe_peft.get_mode(model) == ("bi" if stage == "contrastive" else "moe")
+    expected = ("ubmoe_lora_", "ubmoe_copy") if stage == "contrastive" else ("ubmoe_router",)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(any(e in n for e in expected) for n in trainable)
+    assert trainable == {n for n, _ in model.named_parameters() if any(e in n for e in expected)}
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model.train()
+    ids, mask = batch()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        moved = not torch.equal(before[name], param.detach())
+        assert moved == (name in trainable), name
+
+
+def test_use_mode_restores_previous_mode():
+    model, _ = wrap()
+    ubmoe_peft.set_mode(model, "uni")
+    with ubmoe_peft.use_mode(model, "bi"):
+        assert ubmoe_peft.get_mode(model) == "bi"
+    assert ubmoe_peft.get_mode(model) == "uni"
+    with pytest.raises(ValueError, match="Unknown mode 'sideways'"):
+        ubmoe_peft.set_mode(model, "sideways")
+
+
+# ---- save / load --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_save_load_reproduces_all_modes(tmp_path, arch, expert, top_k):
+    model, _ = wrap(arch, expert, top_k=top_k)
+    perturb_adapters(model, std=0.2)
+    ids, mask = batch()
+    expected = {}
+    for mode in MODES:
+        ubmoe_peft.set_mode(model, mode)
+        expected[mode] = logits(model, ids, mask)
+    model.save_pretrained(tmp_path)
+
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert saved and all(".ubmoe_" in k for k in saved)
+    assert all(".default" not in k for k in saved)
+    assert any("ubmoe_router" in k for k in saved)
+
+    loaded = PeftModel.from_pretrained(tiny_model(arch), tmp_path, adapter_name="renamed").eval()
+    assert ubmoe_peft.get_mode(loaded) == "moe"
+    for mode in MODES:
+        ubmoe_peft.set_mode(loaded, mode)
+        assert torch.equal(logits(loaded, ids, mask), expected[mode]), mode
+
+
+# ---- multiple adapters --------------------------------------------------------------------------------------------
+def test_multiple_adapters_by_name():
+    model, reference = wrap()
+    model.add_adapter("second", UBMoEConfig(expert_type="copy"))
+    perturb_adapters(model)
+    ubmoe_peft.set_mode(model, "bi")
+    ids, mask = batch()
+    first = logits(model, ids, mask)
+    model.set_adapter("second")
+    second = logits(model, ids, mask)
+    assert not torch.equal(first, second)
+    model.set_adapter("default")
+    assert torch.equal(logits(model, ids, mask), first)
+    ubmoe_peft.set_stage(model, "router")
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("ubmoe_router.default" in n for n in trainable)
+
+
+def test_layers_to_transform_wraps_only_those_layers():
+    model, _ = wrap(layers_to_transform=[1])
+    assert [layer.layer_idx for layer in layers(model)] == [1]
+
+
+# ---- generation ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_generate_in_moe_after_training_uses_the_cache_correctly(expert):
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model, std=0.2)
+    ids, mask = batch(padding="left")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    # the same tokens from full forwards without a cache
+    full_mask = torch.cat([mask, torch.ones(3, 5, dtype=mask.dtype)], dim=1)  # (B, T + 5)
+    next_tokens = logits(model, out[:, :-1], full_mask[:, :-1])[:, ids.shape[1] - 1 :].argmax(-1)  # (B, 5)
+    assert torch.equal(next_tokens, out[:, ids.shape[1] :])
+
+
+def test_generate_refuses_in_mode_bi():
+    model, _ = wrap()
+    ubmoe_peft.set_mode(model, "bi")
+    ids, mask = batch()
+    with pytest.raises(RuntimeError, match="mode 'bi'"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="mode 'bi'"):
+        model.base_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)

