@@ -191,7 +191,10 @@ def test_top1_runs_each_token_through_one_expert_only(expert):
         return lambda module, args, output: seen.__setitem__(kind, seen[kind] + args[0].shape[:-1].numel())
 
     bi_module = layer.ubmoe_copy["default"] if expert == "copy" else layer.ubmoe_lora_A["default"]["gate_proj"]
-    hooks = [layer.base_layer.gate_proj.register_forward_hook(count("uni")), bi_module.register_forward_hook(count("bi"))]
+    hooks = [
+        layer.base_layer.gate_proj.register_forward_hook(count("uni")),
+        bi_module.register_forward_hook(count("bi")),
+    ]
     x = torch.randn(3, 10, 32)  # (B, T, C)
     with torch.no_grad():
         logits_ = layer.router_logits("default", x)  # (B, T, 2)
@@ -338,3 +341,30 @@ def test_generate_refuses_in_mode_bi():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="mode 'bi'"):
         model.base_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("attn", ATTNS)
+def test_a_transformers_release_that_ignores_is_causal_is_caught(attn):
+    """Simulate the failure seen in peer projects: the backbone silently drops `is_causal=False`."""
+    model, _ = wrap("llama", "lora", attn)
+    ubmoe_peft.set_mode(model, "bi")
+    backbone = model.base_model.model.model
+    handle = backbone.register_forward_pre_hook(lambda m, a, k: (a, {**k, "is_causal": None}), with_kwargs=True)
+    ids, mask = batch(padding=None)
+    with pytest.raises(RuntimeError, match="causal mask"):
+        logits(model, ids, mask)
+    handle.remove()
+    logits(model, ids, mask)
+
+
+def test_registration_survives_reimport():
+    import importlib
+    import subprocess
+    import sys
+
+    import ubmoe_peft.tuners.ubmoe as tuner
+
+    importlib.reload(tuner)  # registering twice must be a no-op, not PEFT's "already registered" KeyError
+    code = "import ubmoe_peft, peft; print(peft.PeftType('UBMOE').value)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "UBMOE"
