@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from peft.config import PeftConfig
 
 from ..._peft_type import UBMOE_PEFT_TYPE
+from ...io import CONFIG_NAME, AdapterFileError, atomic_write_text
 
 EXPERT_TYPES = ("lora", "copy")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
@@ -62,6 +65,14 @@ class UBMoEConfig(PeftConfig):
     modules_to_save: Optional[list[str]] = field(
         default=None, metadata={"help": "Extra modules to train and save in full (PEFT's usual option)."}
     )
+    base_model_signature: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Filled in when the adapter is created: the base's model_type, hidden_size and number of decoder "
+            "layers. Loading the adapter onto a model that differs in any of them fails with a message naming both."
+        },
+    )
+
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +106,56 @@ class UBMoEConfig(PeftConfig):
             )
         if isinstance(self.target_modules, (list, tuple, set)):
             self.target_modules = list(self.target_modules)
+        self._check_types()
+
+    def _check_types(self) -> None:
+        """Types that a hand-edited or corrupted adapter_config.json could get wrong, checked before any use."""
+        number = (int, float)
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, number):
+            raise ValueError(f"UBMoEConfig(lora_alpha={self.lora_alpha!r}) must be a number, e.g. 16.")
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, number):
+            raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be a number in [0, 1).")
+        if not isinstance(self.use_rslora, bool):
+            raise ValueError(f"UBMoEConfig(use_rslora={self.use_rslora!r}) must be True or False.")
+        for name in ("target_modules", "ffn_projections", "modules_to_save"):
+            value = getattr(self, name)
+            names_ok = isinstance(value, list) and all(isinstance(v, str) and v for v in value)
+            if value is not None and not names_ok and not (name == "target_modules" and isinstance(value, str)):
+                raise ValueError(
+                    f"UBMoEConfig({name}={value!r}) must be None or a list of module names"
+                    + (" (or one regex string)." if name == "target_modules" else ".")
+                )
+        if self.base_model_signature is not None and not isinstance(self.base_model_signature, dict):
+            raise ValueError(
+                f"UBMoEConfig(base_model_signature={self.base_model_signature!r}) must be None or the dict that "
+                "ubmoe-peft records when it creates an adapter; leave it None for a new adapter."
+            )
+
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """Write adapter_config.json atomically (PEFT's content, written to a temp file and renamed)."""
+        if os.path.isfile(save_directory):
+            raise ValueError(f"save_pretrained needs a folder, but {save_directory} is a file.")
+        os.makedirs(save_directory, exist_ok=True)
+        output = {k: list(v) if isinstance(v, set) else v for k, v in self.to_dict().items()}
+        auto_mapping = kwargs.pop("auto_mapping_dict", None)
+        if auto_mapping is not None:
+            output["auto_mapping"] = auto_mapping
+        atomic_write_text(os.path.join(save_directory, CONFIG_NAME), json.dumps(output, indent=2, sort_keys=True))
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any):
+        """Load adapter_config.json; any invalid content raises `AdapterFileError` naming the file."""
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        except AdapterFileError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            where = os.path.join(os.fspath(pretrained_model_name_or_path), subfolder or "", CONFIG_NAME)
+            raise AdapterFileError(
+                f"{where} is not a valid UBMoE adapter config: {exc} Fix or regenerate the file with "
+                "model.save_pretrained(folder)."
+            ) from exc
+
 
     @property
     def scaling(self) -> float:

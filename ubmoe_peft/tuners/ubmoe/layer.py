@@ -19,7 +19,6 @@ FFN's own forward - whatever the architecture - untouched). A copy expert runs o
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from typing import Any
@@ -60,6 +59,22 @@ def _lora_hook(layer_ref: weakref.ref, key: str, module: nn.Module, args: tuple,
     delta = delta.to(out.dtype)
     out = out + delta if rows is None else out.index_add(0, rows, delta)  # (N, C_out)
     return out.view(output.shape)
+
+
+class _LoraHook:
+    """The forward hook on one base projection. It holds its layer weakly (no reference cycle); a deep copy of the
+    model (TRL's reference model, EMA copies) gets hooks that point to the copied layer, never the original's."""
+
+    def __init__(self, layer_ref: weakref.ref, key: str) -> None:
+        self.layer_ref, self.key = layer_ref, key
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
+        return _lora_hook(self.layer_ref, self.key, module, args, output)
+
+    def __deepcopy__(self, memo: dict) -> _LoraHook:
+        layer = self.layer_ref()
+        copied = memo.get(id(layer)) if layer is not None else None  # the layer is copied before its projections
+        return _LoraHook(weakref.ref(copied), self.key) if copied is not None else self
 
 
 class UBMoELayer(nn.Module, BaseTunerLayer):
@@ -130,13 +145,15 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         for name, proj in projections.items():
             if any(hid in proj._forward_hooks for hid in hooked):
                 continue  # another adapter of this layer already hooked this projection
-            hook = functools.partial(_lora_hook, weakref.ref(self), _module_key(name))
+            hook = _LoraHook(weakref.ref(self), _module_key(name))
             self._hook_handles.append(proj.register_forward_hook(hook))
 
     def remove_hooks(self) -> None:
         """Detach the LoRA hooks from the base projections (on unload)."""
-        for handle in self._hook_handles:
-            handle.remove()
+        ids = {handle.id for handle in self._hook_handles}
+        for module in self.base_layer.modules():  # not handle.remove(): a deep copy's handles point to the original
+            for hook_id in ids:
+                module._forward_hooks.pop(hook_id, None)
         self._hook_handles.clear()
 
     # ---- forward ------------------------------------------------------------------------------------------------

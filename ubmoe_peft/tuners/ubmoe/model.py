@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -10,6 +11,7 @@ from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
 from ...architectures import FFN_MODULES, decoder_layers, default_ffn_target, layer_index, linear_projections
+from ...io import AdapterMismatchError
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported, selected_projections
 from .state import ModeState
@@ -52,6 +54,9 @@ class UBMoEModel(BaseTuner):
 
     # ---- injection ----------------------------------------------------------------------------------------------
     def inject_adapter(self, model: nn.Module, adapter_name: str, **kwargs: Any) -> None:
+        # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
+        # object the caller reuses for another model (or another adapter).
+        self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
         validate_config(model, self.peft_config[adapter_name])  # every check runs before any module changes
         super().inject_adapter(model, adapter_name, **kwargs)
 
@@ -90,6 +95,16 @@ class UBMoEModel(BaseTuner):
         # `ubmoe_*` container, not the end of the key, so PEFT's default rule would keep it and a checkpoint saved as
         # "default" would silently not load under another name. Loading inverts this same function.
         return re.sub(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)), r"\1", key)
+
+    @classmethod
+    def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
+        # PEFT loads with strict=False, so a checkpoint for another base would load partly and silently. Every
+        # UBMoE tensor must have a home of the same shape, and every adapter parameter a tensor.
+        remapped = super()._remap_adapter_state_dict_for_load(
+            model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
+        )
+        check_checkpoint(model, config, adapter_name, remapped)
+        return remapped
 
     # ---- forward hooks: attention per mode ----------------------------------------------------------------------
     def _install_forward_hooks(self) -> None:
@@ -183,8 +198,70 @@ def _causal_error(implementation: str | None) -> RuntimeError:
     )
 
 
+def base_signature(model: nn.Module) -> dict[str, Any]:
+    """What an adapter must match in its base: architecture, hidden size and number of decoder layers."""
+    config = _text_config(model)
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "num_layers": len(decoder_layers(model)),
+    }
+
+
+def _describe(name: str | None, signature: dict[str, Any] | None) -> str:
+    shown = ", ".join(f"{k}={v!r}" for k, v in sorted((signature or {}).items())) or "no recorded shape"
+    return f"{name or 'an unnamed base model'} ({shown})"
+
+
+def _mismatch(config: UBMoEConfig, model: nn.Module, problem: str) -> AdapterMismatchError:
+    model_name = getattr(_text_config(model), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    return AdapterMismatchError(
+        f"This UBMoE adapter was made for {_describe(config.base_model_name_or_path, config.base_model_signature)}, "
+        f"but the model it is loaded into is {_describe(model_name, base_signature(model))}: {problem} Load the "
+        "adapter onto the base model it was trained on (its adapter_config.json names it)."
+    )
+
+
+def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, state_dict: dict) -> None:
+    """Raise `AdapterMismatchError` unless ``state_dict`` (keys already mapped to the model) fills exactly the
+    adapter's UBMoE parameters with tensors of the same shapes, all finite."""
+    own = re.compile(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)))
+    expected = {k: v.shape for k, v in model.state_dict().items() if own.search(k)}
+    given = {k: v for k, v in state_dict.items() if ".ubmoe_" in k}
+    unexpected = sorted(k for k in given if k not in expected)
+    missing = sorted(k for k in expected if k not in given)
+    wrong = [
+        f"{k}: {tuple(v.shape)} in the file, {tuple(expected[k])} in the model"
+        for k, v in given.items()
+        if k in expected and tuple(v.shape) != tuple(expected[k])
+    ]
+    problems = []
+    if wrong:
+        problems.append(f"{len(wrong)} tensors differ in shape (e.g. {wrong[0]}).")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors have no place in the model (e.g. {unexpected[0]}).")
+    if missing:
+        problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
+    if problems:
+        raise _mismatch(config, model, " ".join(problems))
+    bad = [k for k, v in given.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise AdapterMismatchError(
+            f"The adapter weights hold NaN or inf values (e.g. {bad[0]}), so the file is corrupted or was saved "
+            "from a diverged run. Save a healthy checkpoint again with model.save_pretrained(folder)."
+        )
+
+
 def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
+    signature = base_signature(model)
+    if config.base_model_signature is None:
+        config.base_model_signature = signature
+    else:
+        saved = config.base_model_signature
+        differ = sorted(k for k in signature if k in saved and saved[k] != signature[k])  # unknown keys: newer files
+        if differ:
+            raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
     if config.target_modules is None:
         config.target_modules = [default_ffn_target(model)]
     targets = {name: m for name, m in model.named_modules() if _matches(config, name)}

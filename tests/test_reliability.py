@@ -1,0 +1,566 @@
+"""Reliability promises (docs/reliability.md): bad configs, bad or foreign adapter files, pickle-free loading,
+atomic saves, numerical edge cases and per-model mode state. Tiny random models, built in-process."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+import pathlib
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import ubmoe_peft
+from ubmoe_peft.io import AdapterFileError, AdapterMismatchError, UBMoEFileError, atomic_write, atomic_write_text
+from ubmoe_peft.modes import ubmoe_layers
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+VOCAB = 100
+
+
+def tiny(
+    arch: str = "llama",
+    hidden: int = 32,
+    layers: int = 2,
+    attn: str = "sdpa",
+    intermediate: int = 64,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> torch.nn.Module:
+    config_cls, model_cls = ARCHS[arch]
+    config = config_cls(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config).to(dtype).eval()
+
+
+def trained(model: torch.nn.Module, seed: int = 1, scale: float = 0.1) -> torch.nn.Module:
+    """Give every UBMoE parameter random values, so bi differs from uni and routers send tokens both ways."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ubmoe_" in name:
+                noise = torch.randn(param.shape, generator=gen) * scale
+                param.copy_(noise.to(param.dtype))  # the same values for the same seed, whatever came before
+    return model.eval()
+
+
+def wrap(model: torch.nn.Module | None = None, **kwargs) -> peft.PeftModel:
+    kwargs.setdefault("lora_dropout", 0.0)
+    return peft.get_peft_model(model if model is not None else tiny(), ubmoe_peft.UBMoEConfig(**kwargs)).eval()
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same_state(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    now = model.state_dict()
+    return now.keys() == before.keys() and all(torch.equal(now[k], before[k]) for k in before)
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[pathlib.Path, torch.Tensor]:
+    """A trained LoRA adapter of tiny() saved to a folder, with its mode-moe logits on fixed ids."""
+    model = trained(wrap())
+    model.save_pretrained(tmp_path)
+    return tmp_path, logits(model, torch.arange(10).view(1, 10))
+
+
+# ---- 1. bad configuration: clear error, model untouched -----------------------------------------------------------
+def _rename_ffn(model: torch.nn.Module) -> torch.nn.Module:
+    model.config.model_type = "mystery"
+    for layer in model.model.layers:
+        layer.mixer = layer.mlp
+        del layer.mlp
+    return model
+
+
+BAD_WRAPS = {
+    "target not found": (dict(target_modules=["feedforward"]), None, ["['feedforward']", "not found", "'mlp'"]),
+    "no known FFN": (dict(), _rename_ffn, ["mystery", "'mixer'", "target_modules"]),
+    "layers out of range": (dict(layers_to_transform=[5]), None, ["[5]", "2 decoder layers", "0..1"]),
+    "rank too large": (dict(r=128), None, ["r=128", "min(in, out)", "smaller r"]),
+    "single linear target": (dict(target_modules=["gate_proj"]), None, ["single linear layer", "target_modules"]),
+    "unknown projection": (dict(ffn_projections=["w1"]), None, ["['w1']", "gate_proj"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_WRAPS))
+def test_bad_config_fails_before_any_weight_changes(case):
+    kwargs, edit, phrases = BAD_WRAPS[case]
+    model = tiny()
+    if edit is not None:
+        model = edit(model)
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        wrap(model, **kwargs)
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+    assert same_state(model, before)
+    assert not ubmoe_layers(model) and not hasattr(model, "peft_config")
+
+
+BAD_FIELDS = {
+    "expert_type": ("moe", ["'moe'", "'lora'", "'copy'"]),
+    "top_k": (3, ["top_k=3", "1", "2"]),
+    "r": (0, ["r=0", "positive"]),
+    "lora_dropout": (1.5, ["1.5", "[0, 1)"]),
+    "router_dtype": ("int8", ["'int8'", "float32"]),
+    "layers_to_transform": (-1, ["-1", "non-negative"]),
+    "lora_alpha": ("big", ["'big'", "number"]),
+    "use_rslora": ("yes", ["'yes'", "True or False"]),
+    "target_modules": (5, ["5", "module names"]),
+}
+
+
+@pytest.mark.parametrize("field", sorted(BAD_FIELDS))
+def test_bad_field_names_value_and_fix(field):
+    value, phrases = BAD_FIELDS[field]
+    with pytest.raises(ValueError) as info:
+        ubmoe_peft.UBMoEConfig(**{field: value})
+    assert f"{field}=" in str(info.value)
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+
+
+def test_mode_bi_refuses_an_attention_without_bidirectional_support():
+    model = wrap(tiny(attn="flex_attention"))
+    ubmoe_peft.set_mode(model, "bi")
+    with pytest.raises(ValueError, match=r"attn_implementation='flex_attention'.*sdpa"):
+        logits(model, torch.arange(4).view(1, 4))
+
+
+def test_failed_wrap_leaves_the_model_wrappable():
+    model = tiny()
+    with pytest.raises(ValueError):
+        wrap(model, layers_to_transform=[9])
+    assert torch.allclose(logits(wrap(model), torch.arange(6).view(1, 6)), logits(tiny(), torch.arange(6).view(1, 6)))
+
+
+# ---- 2. loading: foreign bases, bad files, no pickle, no remote code ----------------------------------------------
+FOREIGN = {
+    "hidden size": (dict(hidden=64), ["hidden_size=32", "hidden_size=64"]),
+    "layer count": (dict(layers=3), ["num_layers=2", "num_layers=3"]),
+    "architecture": (dict(arch="qwen2"), ["model_type='llama'", "model_type='qwen2'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FOREIGN))
+def test_adapter_for_another_base_fails_naming_both(saved, case):
+    folder, _ = saved
+    kwargs, phrases = FOREIGN[case]
+    base = tiny(**kwargs)
+    before = snapshot(base)
+    with pytest.raises(AdapterMismatchError) as info:
+        peft.PeftModel.from_pretrained(base, folder)
+    for phrase in phrases:
+        assert phrase in str(info.value)
+    assert "made for" in str(info.value) and "loaded into" in str(info.value)
+    assert same_state(base, before)  # the check runs before the adapter is injected
+
+
+def _edit_weights(folder: pathlib.Path, edit) -> None:
+    tensors = load_file(folder / "adapter_model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def _drop_last_layer(tensors: dict) -> None:
+    for key in [k for k in tensors if ".layers.1." in k]:
+        del tensors[key]
+
+
+def _add_a_layer(tensors: dict) -> None:
+    tensors.update(
+        {k.replace(".layers.1.", ".layers.2."): v.clone() for k, v in list(tensors.items()) if ".layers.1." in k}
+    )
+
+
+def _reshape_router(tensors: dict) -> None:
+    key = next(k for k in tensors if "ubmoe_router" in k)
+    tensors[key] = torch.zeros(2, 48)
+
+
+def _poison(tensors: dict) -> None:
+    key = next(k for k in tensors if "ubmoe_lora_B" in k)
+    tensors[key][0, 0] = float("nan")
+
+
+TAMPERED = {
+    "missing tensors": (_drop_last_layer, ["not in the file", "layers.1."]),
+    "extra tensors": (_add_a_layer, ["no place in the model", "layers.2."]),
+    "wrong shape": (_reshape_router, ["(2, 48) in the file", "(2, 32) in the model"]),
+    "non-finite": (_poison, ["NaN or inf", "ubmoe_lora_B"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_checkpoint_that_does_not_fill_the_adapter_is_refused(saved, case):
+    folder, _ = saved
+    edit, phrases = TAMPERED[case]
+    _edit_weights(folder, edit)
+    with pytest.raises(AdapterMismatchError) as info:
+        peft.PeftModel.from_pretrained(tiny(), folder)
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+
+
+def _truncate(path: pathlib.Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def _garble(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:40] = b"\xff" * 32  # inside the safetensors JSON header / the config's first keys
+    path.write_bytes(bytes(data))
+
+
+BAD_FILES = {
+    "weights missing": ("adapter_model.safetensors", lambda p: p.unlink()),
+    "weights truncated": ("adapter_model.safetensors", _truncate),
+    "weights garbled": ("adapter_model.safetensors", _garble),
+    "weights empty": ("adapter_model.safetensors", lambda p: p.write_bytes(b"")),
+    "config missing": ("adapter_config.json", lambda p: p.unlink()),
+    "config truncated": ("adapter_config.json", _truncate),
+    "config garbled": ("adapter_config.json", _garble),
+    "config not an object": ("adapter_config.json", lambda p: p.write_text("[1, 2]")),
+    "config without peft_type": ("adapter_config.json", lambda p: p.write_text('{"r": 8}')),
+    "config with a bad value": (
+        "adapter_config.json",
+        lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "top_k": "two"})),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_missing_or_corrupted_file_fails_naming_it(saved, case):
+    folder, _ = saved
+    name, damage = BAD_FILES[case]
+    damage(folder / name)
+    with pytest.raises(AdapterFileError) as info:
+        peft.PeftModel.from_pretrained(tiny(), folder)
+    assert name in str(info.value) and str(folder) in str(info.value), str(info.value)
+
+
+def test_pickle_is_never_loaded(saved, tmp_path, monkeypatch):
+    folder, _ = saved
+    pickled = tmp_path / "pickled"
+    trained(wrap()).save_pretrained(pickled, safe_serialization=False)
+    assert (pickled / "adapter_model.bin").exists()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an unpickler was called")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    with pytest.raises(AdapterFileError, match=r"adapter_model\.bin \(a pickle\).*safetensors"):
+        peft.PeftModel.from_pretrained(tiny(), pickled)
+    peft.PeftModel.from_pretrained(tiny(), folder)  # the safetensors path needs no unpickler at all
+
+
+def _calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            yield node, name, {kw.arg: kw.value for kw in node.keywords}
+
+
+def test_library_source_never_unpickles_or_trusts_remote_code():
+    for path in sorted((REPO / "ubmoe_peft").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not {"pickle", "dill", "cloudpickle", "joblib"} & set(names), f"{path}: imports a pickler"
+        for node, name, keywords in _calls(tree):
+            where = f"{path}:{node.lineno}"
+            remote = keywords.get("trust_remote_code")
+            assert not (isinstance(remote, ast.Constant) and remote.value is True), f"{where}: trust_remote_code=True"
+            if (
+                name == "load"
+                and isinstance(node.func, ast.Attribute)
+                and getattr(node.func.value, "id", "") == "torch"
+            ):
+                only = keywords.get("weights_only")
+                assert isinstance(only, ast.Constant) and only.value is True, (
+                    f"{where}: torch.load without weights_only"
+                )
+
+
+# ---- 3. atomic saving ---------------------------------------------------------------------------------------------
+def test_atomic_write_keeps_the_old_file_when_the_writer_fails(tmp_path):
+    target = tmp_path / "adapter_config.json"
+    atomic_write_text(target, '{"old": true}')
+
+    def broken(tmp: str) -> None:
+        pathlib.Path(tmp).write_text('{"ne')
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, broken)
+    assert target.read_text() == '{"old": true}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json"]  # the temp file is cleaned up
+
+
+_SAVER = """
+import os, sys, time, torch, peft, ubmoe_peft
+sys.path.insert(0, {tests!r})
+from test_reliability import copy_adapter
+folder, how = sys.argv[1], sys.argv[2]
+model = copy_adapter(seed=2)
+if how == "block":  # the writer stops after writing the temp file, before it is renamed
+    def block(fd):
+        open(os.path.join(folder, "..", "blocked"), "w").close()
+        time.sleep(600)
+    os.fsync = block
+    model.save_pretrained(folder)
+else:  # save over and over, two alternating versions, until killed
+    open(os.path.join(folder, "..", "ready"), "w").close()
+    models = [model, copy_adapter(seed=3)]
+    for i in range(100000):
+        models[i % 2].save_pretrained(folder)
+"""
+
+
+def _start_saver(folder: pathlib.Path, how: str) -> subprocess.Popen:
+    script = _SAVER.format(tests=str(REPO / "tests"))
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(folder), how], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def _wait_for(path: pathlib.Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the saver exited early: {proc.stderr.read().decode()[-2000:]}")
+        assert time.monotonic() < deadline, "the saver never got going"
+        time.sleep(0.05)
+
+
+BIG = dict(hidden=256, intermediate=1024, layers=4)  # a 12 MB copy-expert adapter: writing it takes a while
+
+
+def copy_adapter(seed: int) -> peft.PeftModel:
+    return trained(wrap(tiny(**BIG), expert_type="copy"), seed=seed)
+
+
+def _copy_adapter_versions(tmp_path: pathlib.Path) -> tuple[pathlib.Path, dict[int, bytes]]:
+    """A folder holding version 'seed 2' of a copy-expert adapter, and the bytes of versions 2 and 3."""
+    versions = {}
+    for seed in (3, 2):
+        copy_adapter(seed).save_pretrained(tmp_path / f"v{seed}")
+        versions[seed] = (tmp_path / f"v{seed}" / "adapter_model.safetensors").read_bytes()
+    return tmp_path / "v2", versions
+
+
+def _assert_intact(folder: pathlib.Path, versions: dict[int, bytes]) -> None:
+    weights = (folder / "adapter_model.safetensors").read_bytes()
+    assert weights in versions.values(), "the final file is neither the old nor the new adapter"
+    json.loads((folder / "adapter_config.json").read_text())
+    names = {p.name for p in folder.iterdir()} - {"adapter_model.safetensors", "adapter_config.json", "README.md"}
+    assert all(n.startswith(".") for n in names), names  # only hidden temp files (ours, or safetensors' own)
+    loaded = peft.PeftModel.from_pretrained(tiny(**BIG), folder)
+    assert torch.isfinite(logits(loaded, torch.arange(8).view(1, 8))).all()
+
+
+def test_save_killed_while_writing_keeps_the_previous_adapter(tmp_path):
+    folder, versions = _copy_adapter_versions(tmp_path)
+    (folder / "adapter_model.safetensors").write_bytes(versions[3])  # the "previous" adapter differs from the new
+    proc = _start_saver(folder, "block")
+    try:
+        _wait_for(tmp_path / "blocked", proc)
+        temp = [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+        assert temp and temp[0].stat().st_size > 0, "the new weights are being written beside the old file"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert (folder / "adapter_model.safetensors").read_bytes() == versions[3]
+    _assert_intact(folder, versions)
+
+
+def test_save_stopped_or_killed_at_random_moments_never_exposes_a_partial_file(tmp_path):
+    """A process frozen with SIGSTOP leaves on disk exactly what SIGKILL at that moment would, so 40 random freezes
+    sample 40 kill points of a save loop cheaply (a non-atomic writer fails this test most runs); then a real kill."""
+    folder, versions = _copy_adapter_versions(tmp_path)
+    proc = _start_saver(folder, "loop")
+    rng = random.Random(os.getpid())
+    try:
+        _wait_for(tmp_path / "ready", proc)
+        for _ in range(40):
+            time.sleep(rng.uniform(0.002, 0.05))
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                assert (folder / "adapter_model.safetensors").read_bytes() in versions.values()
+                json.loads((folder / "adapter_config.json").read_text())
+            finally:
+                proc.send_signal(signal.SIGCONT)
+        time.sleep(rng.uniform(0.002, 0.05))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    _assert_intact(folder, versions)
+
+
+# ---- 4. numerics --------------------------------------------------------------------------------------------------
+def _router_output_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
+    seen: list[torch.dtype] = []
+    for layer in ubmoe_layers(model):
+        for router in layer.ubmoe_router.values():
+            router.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "base_dtype,autocast",
+    [(torch.bfloat16, None), (torch.float16, None), (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_computes_in_fp32_under_low_precision(base_dtype, autocast, top_k):
+    model = trained(wrap(tiny(dtype=base_dtype), top_k=top_k))
+    seen = _router_output_dtypes(model)
+    ids, mask = torch.randint(0, VOCAB, (2, 7)), torch.tensor([[1] * 7, [0, 0, 0, 1, 1, 1, 1]])
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = logits(model, ids, mask)
+    assert seen and all(dtype == torch.float32 for dtype in seen)
+    assert torch.isfinite(out).all()
+
+
+EDGE_BATCHES = {
+    "all-padding row, right": (torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0]]), 5),
+    "all-padding row, left": (torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]), 5),
+    "batch of one": (None, 6),
+    "one token": (torch.tensor([[1], [1]]), 1),
+    "one real token among pads": (torch.tensor([[0, 0, 0, 1], [1, 0, 0, 0]]), 4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_BATCHES))
+@pytest.mark.parametrize("expert_type,top_k", [("lora", 1), ("lora", 2), ("copy", 1)])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_no_nan_or_inf_in_edge_batches(case, expert_type, top_k, attn):
+    mask, length = EDGE_BATCHES[case]
+    rows = 1 if mask is None else mask.shape[0]
+    model = trained(wrap(tiny(attn=attn), expert_type=expert_type, top_k=top_k))
+    ids = torch.randint(0, VOCAB, (rows, length))
+    for mode in ("uni", "bi", "moe"):
+        with ubmoe_peft.use_mode(model, mode):
+            assert torch.isfinite(logits(model, ids, mask)).all(), mode
+    stats = ubmoe_peft.routing_stats(model)
+    assert stats and all(0.0 <= share <= 1.0 for share in stats.values())
+
+
+def test_long_sequence_stays_finite():
+    model = trained(wrap(tiny(hidden=16, layers=1, intermediate=32)))
+    ids = torch.randint(0, VOCAB, (1, 4096))
+    mask = torch.ones_like(ids)
+    mask[0, -96:] = 0
+    for mode in ("bi", "moe"):
+        with ubmoe_peft.use_mode(model, mode):
+            assert torch.isfinite(logits(model, ids, mask)).all(), mode
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mode_bi_never_attends_to_pad_tokens(padding_side, attn):
+    model = trained(wrap(tiny(attn=attn)))
+    ubmoe_peft.set_mode(model, "bi")
+    real = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 2 + [0] * 6])  # (B, T)
+    mask = real if padding_side == "right" else real.flip(-1)
+    ids = torch.randint(3, VOCAB, mask.shape)
+    other = torch.where(mask.bool(), ids, torch.randint(3, VOCAB, mask.shape))  # same real tokens, new pad ids
+    a, b = logits(model, ids, mask), logits(model, other, mask)
+    assert torch.allclose(a[mask.bool()], b[mask.bool()], atol=1e-5)
+    assert not torch.allclose(a[~mask.bool()], b[~mask.bool()])  # the pads themselves did change
+
+
+# ---- 5. mode state: per model, restored on errors ----------------------------------------------------------------
+def test_use_mode_restores_the_mode_when_the_body_raises():
+    model = wrap()
+    ubmoe_peft.set_mode(model, "uni")
+    with pytest.raises(KeyError), ubmoe_peft.use_mode(model, "bi"):
+        assert ubmoe_peft.get_mode(model) == "bi"
+        raise KeyError("boom")
+    assert ubmoe_peft.get_mode(model) == "uni"
+    with pytest.raises(ValueError, match="Unknown mode 'sideways'"), ubmoe_peft.use_mode(model, "sideways"):
+        pass
+    assert ubmoe_peft.get_mode(model) == "uni"
+
+
+def test_two_wrapped_models_never_share_mode_state():
+    first, second = trained(wrap()), trained(wrap(), seed=5)
+    ubmoe_peft.set_mode(first, "bi")
+    assert ubmoe_peft.get_mode(second) == "moe"
+    logits(second, torch.arange(6).view(1, 6))
+    assert ubmoe_peft.routing_stats(second) and ubmoe_peft.routing_stats(first) is None
+    with ubmoe_peft.use_mode(second, "uni"):
+        assert ubmoe_peft.get_mode(first) == "bi"
+
+
+def test_one_config_object_serves_many_models_and_adapters():
+    config = ubmoe_peft.UBMoEConfig(lora_dropout=0.0)
+    llama = peft.get_peft_model(tiny(), config)
+    qwen = peft.get_peft_model(tiny("qwen2"), config)  # would fail if the llama wrap had written into `config`
+    assert config.base_model_signature is None and config.target_modules is None
+    assert llama.peft_config["default"] is not qwen.peft_config["default"]
+    llama.add_adapter("second", config)
+    assert llama.peft_config["second"] is not llama.peft_config["default"]
+
+
+def test_deep_copy_is_independent_of_the_original():
+    original = trained(wrap())
+    ids = torch.arange(7).view(1, 7)
+    ubmoe_peft.set_mode(original, "bi")
+    expected = logits(original, ids)
+    clone = copy.deepcopy(original)
+    assert torch.allclose(logits(clone, ids), expected)  # the clone's LoRA hooks drive the clone's experts
+    ubmoe_peft.set_mode(clone, "uni")
+    assert ubmoe_peft.get_mode(original) == "bi"
+    clone.unload()  # must not detach the original's hooks
+    assert torch.allclose(logits(original, ids), expected)
+
+
+def test_errors_are_value_errors():
+    assert issubclass(AdapterFileError, UBMoEFileError) and issubclass(AdapterMismatchError, UBMoEFileError)
+    assert issubclass(UBMoEFileError, ValueError)
+
+
+def test_saved_config_is_complete_and_readable(saved):
+    folder, expected = saved
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["peft_type"] == "UBMOE"
+    assert config["base_model_signature"] == {"hidden_size": 32, "model_type": "llama", "num_layers": 2}
+    loaded = peft.PeftModel.from_pretrained(tiny(), folder)
+    assert torch.allclose(logits(loaded, torch.arange(10).view(1, 10)), expected, atol=1e-6)
+
+
+def test_no_stray_files_after_a_normal_save(saved):
+    folder, _ = saved
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]

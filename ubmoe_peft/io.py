@@ -1,0 +1,229 @@
+"""Adapter files, safely: atomic writes, safetensors-only loading, and errors that name the file at fault.
+
+PEFT writes ``adapter_model.safetensors`` with ``safe_save_file`` (imported by name into ``peft.peft_model``) and
+reads it with ``load_peft_weights`` (likewise); it reads ``adapter_config.json`` with ``PeftConfig.from_json_file``
+and ``PeftConfig._get_peft_type``, the latter before it even knows the file is a UBMoE adapter. PEFT has no hook
+for any of these, so `install` swaps those four names for the wrappers below when ubmoe-peft is imported:
+
+- the weights writer becomes atomic (temp file in the same folder, flush + fsync, ``os.replace``, fsync of the
+  folder), so a save killed half-way leaves the previous file intact; this holds for every PEFT method. Recent
+  safetensors releases already rename a temp file into place, older ones that our pins allow write in place, and
+  we rely on neither; the config, which PEFT writes with a plain ``open(..., "w")``, gets the same treatment in
+  ``UBMoEConfig.save_pretrained``;
+- the config readers turn unreadable or malformed JSON into `AdapterFileError` naming the file (PEFT raised a bare
+  ``JSONDecodeError`` / ``KeyError``); valid files are read exactly as before;
+- the weights reader, for a local UBMoE adapter folder, refuses ``adapter_model.bin`` (a pickle) and turns a
+  missing, truncated or corrupted ``adapter_model.safetensors`` into `AdapterFileError`; other methods' adapters
+  are loaded by PEFT's own code unchanged.
+
+All errors raised here subclass ``ValueError`` (see `UBMoEFileError`), so callers can catch one type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"
+UBMOE_TYPE = "UBMOE"
+
+
+class UBMoEFileError(ValueError):
+    """Base of the errors ubmoe-peft raises for adapter files and adapter/model mismatches."""
+
+
+class AdapterFileError(UBMoEFileError):
+    """An adapter file is missing, unreadable, truncated, corrupted or of a refused kind; the message names it."""
+
+
+class AdapterMismatchError(UBMoEFileError):
+    """An adapter does not fit the model it is loaded into; the message describes both."""
+
+
+# ---- atomic writes ------------------------------------------------------------------------------------------------
+def _fsync_dir(folder: str) -> None:
+    with contextlib.suppress(OSError):  # some filesystems (and Windows) cannot open a folder for fsync
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Write ``path`` all or nothing: ``write(tmp)`` fills a temp file beside it, which is fsynced and renamed.
+
+    A crash or kill at any point leaves either the old file or the complete new one under ``path``; at worst a
+    stray ``.<name>.*.tmp`` file remains beside it, which no loader reads.
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+    atomic_write(path, write)
+
+
+# ---- reading ------------------------------------------------------------------------------------------------------
+def read_json_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in ``path``; a missing, unreadable or non-object file raises `AdapterFileError`."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = json.load(handle)
+    except FileNotFoundError as exc:
+        raise AdapterFileError(f"{path} does not exist; an adapter folder needs {CONFIG_NAME}.") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise AdapterFileError(
+            f"{path} is not a readable JSON file ({type(exc).__name__}: {exc}). It is truncated or corrupted; "
+            "save the adapter again with model.save_pretrained(folder)."
+        ) from exc
+    if not isinstance(loaded, dict):
+        raise AdapterFileError(
+            f"{path} holds a JSON {type(loaded).__name__}, not an object of adapter settings. It is corrupted; "
+            "save the adapter again with model.save_pretrained(folder)."
+        )
+    return loaded
+
+
+def _local_folder(model_id: Any, subfolder: str | None) -> str | None:
+    if not isinstance(model_id, (str, os.PathLike)):
+        return None
+    folder = os.path.join(os.fspath(model_id), subfolder) if subfolder else os.fspath(model_id)
+    return folder if os.path.isdir(folder) else None
+
+
+def is_ubmoe_folder(folder: str) -> bool:
+    """True when ``folder``'s adapter_config.json says ``peft_type`` UBMOE (unreadable configs count as not)."""
+    try:
+        return read_json_config(os.path.join(folder, CONFIG_NAME)).get("peft_type") == UBMOE_TYPE
+    except AdapterFileError:
+        return False
+
+
+def check_weights_file(folder: str) -> str:
+    """The path of ``folder``'s adapter_model.safetensors after checking it exists and is not a pickle."""
+    path = os.path.join(folder, WEIGHTS_NAME)
+    if os.path.isfile(path):
+        return path
+    if os.path.exists(os.path.join(folder, PICKLE_WEIGHTS_NAME)):
+        raise AdapterFileError(
+            f"{folder} holds {PICKLE_WEIGHTS_NAME} (a pickle) but no {WEIGHTS_NAME}. UBMoE adapters are only "
+            f"loaded from safetensors, since unpickling can run code. Save it again with "
+            f"model.save_pretrained(folder) (safe_serialization=True, the default)."
+        )
+    raise AdapterFileError(
+        f"{path} does not exist, so the adapter in {folder} has no weights. Save it again with "
+        "model.save_pretrained(folder), or point to the folder that holds both adapter files."
+    )
+
+
+# ---- wrappers installed into PEFT ---------------------------------------------------------------------------------
+def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def atomic_safe_save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
+
+    atomic_safe_save_file._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return atomic_safe_save_file
+
+
+def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict]:
+    @functools.wraps(original)
+    def load_peft_weights(model_id: str, device: str | None = None, **kwargs: Any) -> dict:
+        folder = _local_folder(model_id, kwargs.get("subfolder"))
+        if folder is None or not is_ubmoe_folder(folder):
+            return original(model_id, device, **kwargs)
+        path = check_weights_file(folder)
+        try:
+            return original(model_id, device, **kwargs)
+        except Exception as exc:  # safetensors raises its own SafetensorError (an Exception) for bad headers
+            raise AdapterFileError(
+                f"{path} cannot be read as safetensors ({type(exc).__name__}: {exc}). It is truncated or corrupted; "
+                "save the adapter again with model.save_pretrained(folder)."
+            ) from exc
+
+    load_peft_weights._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return load_peft_weights
+
+
+def _from_json_file(cls: type, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
+    loaded = read_json_config(path_json_file)
+    if "runtime_config" in loaded:  # PEFT's own rule, kept
+        del loaded["runtime_config"]
+    return loaded
+
+
+def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_peft_type(cls: type, model_id: str, **kwargs: Any) -> Any:
+        from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+        folder = _local_folder(model_id, kwargs.get("subfolder"))
+        if folder is not None and not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+            # PEFT would go on to ask the Hub for a local folder's missing file; say what is missing instead.
+            raise AdapterFileError(
+                f"{os.path.join(folder, CONFIG_NAME)} does not exist, so {folder} is not an adapter folder. Point to "
+                "the folder model.save_pretrained(folder) wrote."
+            )
+        try:
+            peft_type = original.__func__(cls, model_id, **kwargs)
+        except KeyError as exc:
+            raise AdapterFileError(
+                f"{CONFIG_NAME} in {model_id} has no 'peft_type' entry, so it is not a PEFT adapter config (or it "
+                "is corrupted). Save the adapter again with model.save_pretrained(folder)."
+            ) from exc
+        if not isinstance(peft_type, str) or peft_type not in PEFT_TYPE_TO_CONFIG_MAPPING:
+            raise AdapterFileError(
+                f"{CONFIG_NAME} in {model_id} names peft_type={peft_type!r}, which no installed PEFT method has "
+                f"(UBMoE adapters say {UBMOE_TYPE!r}; import ubmoe_peft before loading one)."
+            )
+        return peft_type
+
+    wrapped = classmethod(_get_peft_type)
+    wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return wrapped
+
+
+def install() -> None:
+    """Install the wrappers into PEFT (idempotent). Called when ubmoe-peft is imported."""
+    import peft.peft_model as peft_model
+    from peft.config import PeftConfig
+
+    if not hasattr(peft_model.safe_save_file, "_ubmoe_wrapped"):
+        peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
+    if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
+        peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
+    if not hasattr(PeftConfig.from_json_file.__func__, "_ubmoe_wrapped"):
+        wrapped = classmethod(_from_json_file)
+        wrapped.__func__._ubmoe_wrapped = PeftConfig.from_json_file  # type: ignore[attr-defined]
+        PeftConfig.from_json_file = wrapped
+    get_peft_type = inspect.getattr_static(PeftConfig, "_get_peft_type")  # a classmethod of PeftConfigMixin
+    if not hasattr(get_peft_type.__func__, "_ubmoe_wrapped"):
+        PeftConfig._get_peft_type = _wrap_get_peft_type(get_peft_type)
