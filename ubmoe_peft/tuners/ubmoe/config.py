@@ -73,7 +73,6 @@ class UBMoEConfig(PeftConfig):
         },
     )
 
-
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = UBMOE_PEFT_TYPE
@@ -155,7 +154,6 @@ class UBMoEConfig(PeftConfig):
                 f"{where} is not a valid UBMoE adapter config: {exc} Fix or regenerate the file with "
                 "model.save_pretrained(folder)."
             ) from exc
-
 
     @property
     def scaling(self) -> float:
