@@ -9,6 +9,16 @@ from .tuners.ubmoe import UBMoEConfig, UBMoELayer, UBMoEModel
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # sentence-transformers is an optional extra: import the wrapper only when it is asked for
+    if name == "to_sentence_transformer":
+        from .embedding import to_sentence_transformer
+
+        return to_sentence_transformer
+    raise AttributeError(f"module 'ubmoe_peft' has no attribute {name!r}")
+
+
 __all__ = [
     "UBMoEConfig",
     "UBMoELayer",
@@ -17,5 +27,6 @@ __all__ = [
     "routing_stats",
     "set_mode",
     "set_stage",
+    "to_sentence_transformer",
     "use_mode",
 ]

@@ -1,0 +1,94 @@
+"""The sentence-transformers wrapper: mode-bi embeddings, prompt templates, shared parameters, training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturb_adapters, tiny_model
+from peft import get_peft_model
+from sentence_transformers import losses
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig, to_sentence_transformer
+
+WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, one id each
+
+
+def w(*ids: int) -> str:
+    return " ".join(WORDS[i] for i in ids)
+
+
+@pytest.fixture
+def tokenizer():
+    tok = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token=WORDS[3]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=WORDS[0], eos_token=WORDS[2], unk_token=WORDS[3])
+
+
+def _wrapped(expert="lora"):
+    model = get_peft_model(tiny_model(), UBMoEConfig(expert_type=expert)).eval()
+    perturb_adapters(model, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("expert", ["lora", "copy"])
+def test_embeddings_are_mode_bi_mean_pooled_hidden_states(tokenizer, expert):
+    model = _wrapped(expert)
+    st = to_sentence_transformer(model, tokenizer, pooling="mean")
+    texts = [w(5, 6, 7, 8), w(9, 10)]
+    got = st.encode(texts, convert_to_tensor=True)  # (2, C)
+    assert ubmoe_peft.get_mode(model) == "moe"  # restored after encoding
+
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with ubmoe_peft.use_mode(model, "bi"), torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1]  # (2, T, C)
+    mask = batch["attention_mask"].unsqueeze(-1).float()  # (2, T, 1)
+    expected = (hidden * mask).sum(1) / mask.sum(1)  # (2, C)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_template_puts_the_text_mid_prompt(tokenizer):
+    st = to_sentence_transformer(_wrapped(), tokenizer, prompt=w(20) + " {text} " + w(21))
+    features = st[0].preprocess([w(5, 6)])
+    assert features["input_ids"].tolist() == [[20, 5, 6, 21]]
+    prefix = to_sentence_transformer(_wrapped(), tokenizer, prompt=w(20) + " ")
+    assert prefix[0].preprocess([w(5)])["input_ids"].tolist() == [[20, 5]]
+    with pytest.raises(ValueError, match="more than one"):
+        to_sentence_transformer(_wrapped(), tokenizer, prompt="{text} {text}")
+
+
+def test_training_the_sentence_transformer_trains_the_experts(tokenizer):
+    model = _wrapped()
+    ubmoe_peft.set_stage(model, "contrastive")
+    st = to_sentence_transformer(model, tokenizer)
+    st.train()
+    loss_fn = losses.MultipleNegativesRankingLoss(st)  # in-batch negatives, scale 20
+    anchors, positives = [w(5, 6), w(7, 8, 9), w(10)], [w(5, 6, 11), w(7, 8), w(10, 12)]
+    features = [st[0].preprocess(anchors), st[0].preprocess(positives)]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    loss = loss_fn(features, torch.empty(0))
+    loss.backward()
+    optimizer.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+    assert moved and all("ubmoe_lora_" in n for n in moved)
+
+
+def test_unwrapped_model_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="no UBMoE layers"):
+        to_sentence_transformer(tiny_model(), tokenizer)
+
+
+def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_path):
+    from peft import PeftModel
+
+    model = _wrapped()
+    st = to_sentence_transformer(model, tokenizer)
+    texts = [w(5, 6, 7), w(9)]
+    expected = st.encode(texts, convert_to_tensor=True)
+    st.save(str(tmp_path))
+    reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "ubmoe_adapter").eval()
+    again = to_sentence_transformer(reloaded, tokenizer).encode(texts, convert_to_tensor=True)
+    assert torch.equal(again, expected)

@@ -1,0 +1,105 @@
+"""`to_sentence_transformer`: a SentenceTransformer that embeds with a UBMoE model in mode ``"bi"``.
+
+sentence-transformers' own `Transformer` module loads a model by name; ours must wrap an already wrapped PEFT model
+and switch it to mode bi around every forward, so it is a small `InputModule` of our own. Pooling, normalisation,
+`encode`, losses and the trainer all stay sentence-transformers'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modes import ubmoe_layers, use_mode
+
+try:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.input_module import InputModule
+    from sentence_transformers.sentence_transformer.modules import Pooling
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "to_sentence_transformer needs sentence-transformers: install it with `pip install ubmoe-peft[train]`."
+    ) from err
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The transformer body (no LM head): embedding needs hidden states, not vocabulary logits."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(inner, "base_model", inner)
+
+
+class UBMoEEncoder(InputModule):
+    """Tokenizes (optionally inside a ``{text}`` template) and returns mode-bi token embeddings."""
+
+    config_keys = ["prompt", "max_length"]
+
+    def __init__(self, model: nn.Module, tokenizer: Any, prompt: str | None = None, max_length: int = 512) -> None:
+        super().__init__()
+        if prompt is not None and prompt.count("{text}") > 1:
+            raise ValueError(f"prompt={prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+        self.model = model  # registered as a child: ST training updates the expert parameters in place
+        self.tokenizer = tokenizer
+        self.prompt = prompt
+        self.max_length = max_length
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    def _apply_prompt(self, text: str) -> str:
+        if self.prompt is None:
+            return text
+        return self.prompt.replace("{text}", text) if "{text}" in self.prompt else self.prompt + text
+
+    def preprocess(self, inputs: Sequence[str], prompt: str | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+        texts = [(prompt or "") + self._apply_prompt(str(t)) for t in inputs]
+        return dict(
+            self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        )
+
+    def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        with use_mode(self.model, "bi"):
+            out = _backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
+        features["token_embeddings"] = out.last_hidden_state  # (B, T, C)
+        return features
+
+    def get_embedding_dimension(self) -> int:
+        return _backbone(self.model).config.hidden_size
+
+    def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
+        """Saves the adapter (not the base model), the tokenizer and this module's config."""
+        self.model.save_pretrained(str(Path(output_path) / "ubmoe_adapter"))
+        self.save_tokenizer(output_path)
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, *args: Any, **kwargs: Any) -> UBMoEEncoder:
+        raise NotImplementedError(
+            "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
+            "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') and ubmoe_peft.to_sentence_transformer(...)."
+        )
+
+
+def to_sentence_transformer(
+    model: nn.Module,
+    tokenizer: Any,
+    pooling: str = "mean",
+    prompt: str | None = None,
+    max_length: int = 512,
+) -> SentenceTransformer:
+    """A SentenceTransformer sharing ``model``'s parameters that always embeds in mode ``"bi"``.
+
+    ``prompt`` is prepended, or, when it contains ``{text}``, the text is put in its place (the paper's
+    ``'The representative word for sentence {text} is:"'``). ``pooling`` is any sentence-transformers pooling mode
+    ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt.
+    """
+    if not ubmoe_layers(model):
+        raise ValueError(
+            f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig())."
+        )
+    encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length)
+    pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)
+    device = next(model.parameters()).device
+    return SentenceTransformer(modules=[encoder, pool], device=str(device))
