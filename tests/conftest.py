@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -11,6 +12,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Phi3Config,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -81,3 +83,19 @@ def batch(seed: int = 0, b: int = 3, t: int = 9, padding: str | None = "left"):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, word i has id i
+
+
+def w(*ids: int) -> str:
+    """A text whose word-level token ids are ``ids``."""
+    return " ".join(WORDS[i] for i in ids)
+
+
+@pytest.fixture
+def tokenizer():
+    """A word-level tokenizer over ``WORDS`` (ids match the tiny models' vocabulary)."""
+    tok = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token=WORDS[3]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=WORDS[0], eos_token=WORDS[2], unk_token=WORDS[3])

@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import perturb_adapters, tiny_model
+from conftest import perturb_adapters, tiny_model, w
 from peft import get_peft_model
 from sentence_transformers import losses
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, to_sentence_transformer
-
-WORDS = [a + b for a in "abcdefghijklmnop" for b in "abcdefgh"]  # 128 words, one id each
-
-
-def w(*ids: int) -> str:
-    return " ".join(WORDS[i] for i in ids)
-
-
-@pytest.fixture
-def tokenizer():
-    tok = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token=WORDS[3]))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=WORDS[0], eos_token=WORDS[2], unk_token=WORDS[3])
 
 
 def _wrapped(expert="lora"):

@@ -4,6 +4,7 @@ Importing this package registers the ``UBMOE`` method with PEFT, so ``peft.get_p
 ``save_pretrained`` and ``PeftModel.from_pretrained`` work as for any PEFT method.
 """
 
+from .dependence import DependenceResult, attention_dependence
 from .modes import get_mode, routing_stats, set_mode, set_stage, use_mode
 from .tuners.ubmoe import UBMoEConfig, UBMoELayer, UBMoEModel
 
@@ -20,9 +21,11 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "DependenceResult",
     "UBMoEConfig",
     "UBMoELayer",
     "UBMoEModel",
+    "attention_dependence",
     "get_mode",
     "routing_stats",
     "set_mode",

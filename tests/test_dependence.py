@@ -1,0 +1,57 @@
+"""attention_dependence: percentages add to 100, causal modes never depend on later tokens, bi does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import perturb_adapters, tiny_model, w
+from peft import get_peft_model
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig, attention_dependence
+
+TEXTS = [w(5, 6, 7, 8, 9), w(10, 11), w(12, 13, 14, 15, 16, 17, 18)]
+
+
+@pytest.fixture
+def model():
+    wrapped = get_peft_model(tiny_model(attn="sdpa"), UBMoEConfig()).eval()
+    perturb_adapters(wrapped, std=0.1)
+    return wrapped
+
+
+def test_causal_modes_have_no_subsequent_dependence(model, tokenizer):
+    for mode in ("uni", "moe"):
+        res = attention_dependence(model, tokenizer, TEXTS, mode=mode)
+        assert res.average["subsequent"] == pytest.approx(0.0, abs=1e-6)
+        assert sum(res.average.values()) == pytest.approx(100.0, abs=1e-3)
+        assert len(res.per_layer) == 2
+    assert ubmoe_peft.get_mode(model) == "moe"  # restored
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_mode_bi_depends_on_later_tokens_and_matches_a_manual_count(model, tokenizer):
+    res = attention_dependence(model, tokenizer, TEXTS, mode="bi", batch_size=2)
+    assert res.average["subsequent"] > 1.0
+    for layer in res.per_layer:
+        assert sum(layer.values()) == pytest.approx(100.0, abs=1e-3)
+
+    # the same number computed text by text, without padding, with explicit loops over the matrix
+    model.config._attn_implementation = "eager"
+    expected = torch.zeros(2, 3)
+    with ubmoe_peft.use_mode(model, "bi"), torch.no_grad():
+        for text in TEXTS:
+            ids = tokenizer(text, return_tensors="pt")
+            for layer, attn in enumerate(model(**ids, output_attentions=True).attentions):
+                a = attn[0].mean(0)  # (n, n)
+                n = a.shape[0]
+                for i in range(n):
+                    for j in range(n):
+                        expected[layer, 0 if j < i else 1 if j == i else 2] += a[i, j] / n * 100 / len(TEXTS)
+    got = torch.tensor([[row[k] for k in ("preceding", "self", "subsequent")] for row in res.per_layer])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_texts_are_refused(model, tokenizer):
+    with pytest.raises(ValueError, match="non-empty list"):
+        attention_dependence(model, tokenizer, "one string")

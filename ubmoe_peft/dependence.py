@@ -1,0 +1,94 @@
+"""`attention_dependence`: how much each token's attention rests on earlier tokens, itself, and later tokens.
+
+For one text of n tokens and one layer, with A the attention weights averaged over heads (n x n, rows sum to 1)::
+
+    preceding  = sum_{i > j} A[i, j] / n      (DP-before in the UBMoE paper)
+    self       = sum_i A[i, i] / n            (DP-main)
+    subsequent = sum_{i < j} A[i, j] / n      (DP-after)
+
+reported in percent, per layer averaged over texts, and on average over layers and texts. The three add up to 100.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .modes import use_mode
+
+KINDS = ("preceding", "self", "subsequent")
+
+
+@dataclass
+class DependenceResult:
+    """Percentages of attention mass on preceding tokens, the token itself and subsequent tokens."""
+
+    average: dict[str, float]
+    per_layer: list[dict[str, float]] = field(default_factory=list)
+
+
+def _config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@contextmanager
+def _eager_attention(model: nn.Module):
+    """Attention weights exist only in eager attention; switch to it for the measurement and back afterwards."""
+    config = _config(model)
+    previous = getattr(config, "_attn_implementation", None)
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _split(attn: torch.Tensor) -> torch.Tensor:
+    """(n, n) head-averaged attention of one text -> (3,) percentages: preceding, self, subsequent."""
+    n = attn.shape[-1]
+    diagonal = attn.diagonal().sum()
+    preceding = attn.tril(-1).sum()
+    subsequent = attn.triu(1).sum()
+    return torch.stack([preceding, diagonal, subsequent]) / n * 100  # (3,)
+
+
+@torch.no_grad()
+def attention_dependence(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    mode: str | None = None,
+    batch_size: int = 8,
+    max_length: int = 256,
+) -> DependenceResult:
+    """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers."""
+    if isinstance(texts, str) or not texts:
+        raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}.")
+    device = next(model.parameters()).device
+    totals: torch.Tensor | None = None  # (L, 3) sums over texts
+    switch = use_mode(model, mode) if mode is not None else nullcontext()
+    with switch, _eager_attention(model):
+        for start in range(0, len(texts), batch_size):
+            chunk = list(texts[start : start + batch_size])
+            batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = model(**batch, output_attentions=True)
+            real = batch["attention_mask"].bool()  # (B, T)
+            per_layer = []
+            for layer_attn in out.attentions:  # each (B, H, T, T)
+                mean_heads = layer_attn.float().mean(dim=1)  # (B, T, T)
+                rows = [_split(mean_heads[b][real[b]][:, real[b]]) for b in range(len(chunk))]  # B x (3,)
+                per_layer.append(torch.stack(rows).sum(0))  # (3,)
+            chunk_totals = torch.stack(per_layer)  # (L, 3)
+            totals = chunk_totals if totals is None else totals + chunk_totals
+    per_layer_mean = (totals / len(texts)).cpu()  # (L, 3)
+    average = per_layer_mean.mean(0)  # (3,)
+    return DependenceResult(
+        average={k: float(v) for k, v in zip(KINDS, average, strict=True)},
+        per_layer=[{k: float(v) for k, v in zip(KINDS, row, strict=True)} for row in per_layer_mean],
+    )
