@@ -1,15 +1,26 @@
 """Quantized (bitsandbytes) bases: the one place that knows about 4-bit and 8-bit linear layers.
 
-A LoRA expert needs nothing here: bnb's ``Linear4bit`` / ``Linear8bitLt`` subclass ``nn.Linear`` and the LoRA
-delta is added by a forward hook on their output, in the adapter's own float dtype. A copy expert must be trainable,
-so quantized projections are dequantized into plain ``nn.Linear`` layers in the base's compute dtype.
+Every linear layer is served by one backend, chosen by `backend_for` from ``BACKENDS`` (tried in order, like PEFT's
+``dispatch_*`` list; bitsandbytes is imported lazily, only when a bitsandbytes layer is present). A backend says
+
+- ``dequantize(module)``: the float weight ``W ~ Q(W)`` (out, in), what the layer actually multiplies with;
+- ``compute_dtype(module)``: the dtype the layer computes in, which is the dtype of a trainable copy;
+- ``prepare(module)``: make the layer safe to train through (see `prepare_quantized_base`).
+
+A LoRA expert needs no backend: ``Linear4bit`` / ``Linear8bitLt`` subclass ``nn.Linear`` and the LoRA delta is added
+by a forward hook on their output, in the adapter's own fp32. A copy expert must be trainable, so quantized
+projections are dequantized into `ComputeDtypeLinear` layers, which - like ``Linear4bit`` - cast their input to the
+compute dtype and their output back to the input dtype.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -18,54 +29,192 @@ def is_quantized_linear(module: nn.Module) -> bool:
     return type(module).__module__.startswith("bitsandbytes") and isinstance(module, nn.Linear)
 
 
-def dequantized_weight(module: nn.Linear) -> torch.Tensor:
-    """The float weight (out, in) of a linear layer, dequantizing bitsandbytes storage."""
-    if not is_quantized_linear(module):
-        return module.weight.detach()
-    import bitsandbytes as bnb
+def _is_4bit(module: nn.Module) -> bool:
+    return is_quantized_linear(module) and getattr(module.weight, "quant_state", None) is not None
 
-    weight = module.weight
-    if getattr(weight, "quant_state", None) is not None:  # 4-bit
-        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state)  # (out, in)
-    scb = getattr(weight, "SCB", None)
+
+def _is_8bit(module: nn.Module) -> bool:
+    return is_quantized_linear(module) and module.weight.dtype == torch.int8
+
+
+def _import_bnb():
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:  # a bnb layer without bnb importable: a broken environment
+        raise ImportError(
+            "This model has bitsandbytes layers, but bitsandbytes cannot be imported. Install it with "
+            "`pip install ubmoe-peft[bnb]`."
+        ) from err
+    return bnb
+
+
+# ---- 4-bit ----------------------------------------------------------------------------------------------------------
+def _unpack_cpu_4bit(module: nn.Linear) -> None:
+    """Undo bitsandbytes' CPU inference repacking (done by an eval, no-grad forward on AVX512-BF16 CPUs).
+
+    The repacked layout is read only by ``gemv_4bit``, which has no backward: gradients through it are silently
+    dropped. The inverse is exact for the 4-bit codes; the absmax scales keep the bf16 rounding the repacking applied.
+    """
+    state = module.weight.quant_state
+    if not getattr(state, "packing_format_for_cpu", False):
+        return
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, state)
+    module.weight.data, module.weight.quant_state = data, state
+
+
+def _prepare_4bit(module: nn.Linear) -> None:
+    _unpack_cpu_4bit(module)
+    # bitsandbytes repacks a CPU Linear4bit for its fused bf16 kernel on the first eval-mode no-grad forward. That
+    # kernel (1) has no autograd: a later training forward through the layer loses every gradient that flows back
+    # through it (torch only warns "autograd kernel was not registered"), so an evaluation during training would
+    # silently freeze the experts below this layer; (2) asserts out_features % 32 == 0 (an FFN of intermediate size
+    # 688 fails with a bare AssertionError). Switching it off keeps the generic dequantize-and-matmul path, which
+    # trains correctly for every shape; on CUDA the flag is never read.
+    if hasattr(module, "support_avx512bf16_for_cpu"):
+        module.support_avx512bf16_for_cpu = False
+
+
+def _dequantize_4bit(module: nn.Linear) -> torch.Tensor:
+    _unpack_cpu_4bit(module)
+    bnb = _import_bnb()
+    return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)  # (out, in)
+
+
+def _compute_dtype_4bit(module: nn.Linear) -> torch.dtype:
+    dtype = getattr(module, "compute_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+# ---- 8-bit ----------------------------------------------------------------------------------------------------------
+def _dequantize_8bit(module: nn.Linear) -> torch.Tensor:
+    scb = getattr(module.weight, "SCB", None)
     if scb is None:
         scb = getattr(getattr(module, "state", None), "SCB", None)
-    if weight.dtype == torch.int8 and scb is not None:  # 8-bit: row-wise absmax scaling
-        return weight.data.float() * scb.float().unsqueeze(1) / 127.0  # (out, in)
-    return weight.data.float()
+    if scb is None:
+        raise ValueError(
+            f"Cannot dequantize the 8-bit layer {type(module).__name__}({module.in_features} -> "
+            f"{module.out_features}): it has no SCB scales (not yet quantized?). Load the model with "
+            "BitsAndBytesConfig(load_in_8bit=True) and a device_map before wrapping it."
+        )
+    return module.weight.data.float() * scb.float().unsqueeze(1) / 127.0  # (out, in), LLM.int8() row-wise absmax
+
+
+def _compute_dtype_8bit(module: nn.Linear) -> torch.dtype:
+    # LLM.int8() has no compute dtype of its own (it returns the input's dtype); a trainable copy in fp16 would need
+    # loss scaling, so copies of 8-bit layers are fp32 unless the layer keeps a float bias of another dtype.
+    bias = module.bias
+    return bias.dtype if bias is not None and bias.dtype.is_floating_point else torch.float32
+
+
+# ---- plain layers ---------------------------------------------------------------------------------------------------
+def _dequantize_dense(module: nn.Linear) -> torch.Tensor:
+    return module.weight.detach()
+
+
+def _is_dense(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and not is_quantized_linear(module)
+
+
+def _no_prepare(module: nn.Linear) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class LinearBackend:
+    """How UBMoE reads and trains through one kind of linear layer."""
+
+    name: str
+    matches: Callable[[nn.Module], bool]
+    dequantize: Callable[[nn.Linear], torch.Tensor]
+    compute_dtype: Callable[[nn.Linear], torch.dtype]
+    prepare: Callable[[nn.Linear], None]
+
+
+BACKENDS: tuple[LinearBackend, ...] = (
+    LinearBackend("bnb-4bit", _is_4bit, _dequantize_4bit, _compute_dtype_4bit, _prepare_4bit),
+    LinearBackend("bnb-8bit", _is_8bit, _dequantize_8bit, _compute_dtype_8bit, _no_prepare),
+    LinearBackend("dense", _is_dense, _dequantize_dense, lambda m: m.weight.dtype, _no_prepare),
+)
+
+
+def backend_for(module: nn.Module) -> LinearBackend:
+    """The backend of a linear layer: the single dispatch point for quantized layers."""
+    for backend in BACKENDS:
+        if backend.matches(module):
+            return backend
+    if is_quantized_linear(module) and module.weight.dtype.is_floating_point:
+        raise TypeError(
+            f"{type(module).__name__}({module.in_features} -> {module.out_features}) is a bitsandbytes layer that is "
+            f"not quantized yet (its weight is still {module.weight.dtype}; bitsandbytes quantizes when the layer is "
+            "moved to a device). Load the base with from_pretrained(..., quantization_config=BitsAndBytesConfig(...), "
+            "device_map=...) or call model.to(device) before wrapping it."
+        )
+    if is_quantized_linear(module):
+        raise TypeError(
+            f"{type(module).__module__}.{type(module).__name__} (weight dtype {module.weight.dtype}) is a bitsandbytes "
+            "layer that UBMoE does not support; supported are 4-bit (Linear4bit: nf4/fp4) and 8-bit (Linear8bitLt) "
+            "layers as loaded by transformers' BitsAndBytesConfig."
+        )
+    raise TypeError(f"{type(module).__name__} is not a linear layer, so UBMoE has no backend for it.")
+
+
+def dequantized_weight(module: nn.Linear) -> torch.Tensor:
+    """The float weight (out, in) of a linear layer, dequantizing bitsandbytes storage."""
+    return backend_for(module).dequantize(module)
 
 
 def compute_dtype(module: nn.Linear) -> torch.dtype:
-    """The dtype a quantized linear computes in (its float dtype for plain layers)."""
-    if is_quantized_linear(module):
-        dtype = getattr(module, "compute_dtype", None)
-        return dtype if isinstance(dtype, torch.dtype) else torch.float32
-    return module.weight.dtype
+    """The dtype a linear layer computes in (its weight dtype for plain layers)."""
+    return backend_for(module).compute_dtype(module)
+
+
+def prepare_quantized_base(model: nn.Module) -> None:
+    """Make every bitsandbytes linear of ``model`` safe to backpropagate through (called once when wrapping).
+
+    All of them, not only the FFN's: stage 1 backpropagates through attention projections to the experts below.
+    """
+    for module in model.modules():
+        if is_quantized_linear(module):
+            backend_for(module).prepare(module)
+
+
+# ---- copy experts ---------------------------------------------------------------------------------------------------
+class ComputeDtypeLinear(nn.Linear):
+    """A trainable linear layer in a compute dtype that, like bnb's Linear4bit, returns its input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # (..., out)
 
 
 def _to_dense(module: nn.Linear) -> nn.Linear:
-    dtype = compute_dtype(module)
-    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype,
-                      device=module.weight.device)
+    backend = backend_for(module)
+    dtype = backend.compute_dtype(module)
+    dense = ComputeDtypeLinear(
+        module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype, device=module.weight.device
+    )
     with torch.no_grad():
-        dense.weight.copy_(dequantized_weight(module).to(dtype))
+        dense.weight.copy_(backend.dequantize(module).to(dtype))  # (out, in)
         if module.bias is not None:
-            dense.bias.copy_(module.bias.detach().to(dtype))
+            dense.bias.copy_(module.bias.detach().to(dtype))  # (out,)
     return dense
 
 
 def make_dense_copy(ffn: nn.Module, hook_handles: list) -> nn.Module:
-    """A trainable copy of ``ffn`` without our LoRA hooks, with quantized linears dequantized to ``nn.Linear``."""
+    """A trainable copy of ``ffn`` without our LoRA hooks, with quantized linears dequantized to the compute dtype."""
     ids = {h.id for h in hook_handles}
-    replica = copy.deepcopy(ffn)
+    quantized = {name for name, module in ffn.named_modules() if is_quantized_linear(module)}
+    # Deep-copying a quantized layer would duplicate its packed weight only to drop it: copy the FFN without them.
+    memo = {id(ffn.get_submodule(name)): nn.Identity() for name in quantized}
+    replica = copy.deepcopy(ffn, memo)
     for module in replica.modules():
         for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
             for hook_id in ids:
                 hooks.pop(hook_id, None)
-    for name, module in list(replica.named_modules()):
-        if is_quantized_linear(module):
-            parent_name, _, child = name.rpartition(".")
-            parent = replica.get_submodule(parent_name) if parent_name else replica
-            setattr(parent, child, _to_dense(module))
+    for name in quantized:
+        parent_name, _, child = name.rpartition(".")
+        parent = replica.get_submodule(parent_name) if parent_name else replica
+        setattr(parent, child, _to_dense(ffn.get_submodule(name)))
     replica.requires_grad_(True)
     return replica

@@ -12,6 +12,7 @@ from torch import nn
 
 from ...architectures import FFN_MODULES, decoder_layers, default_ffn_target, layer_index, linear_projections
 from ...io import AdapterMismatchError
+from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported, selected_projections
 from .state import ModeState
@@ -58,6 +59,7 @@ class UBMoEModel(BaseTuner):
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
         validate_config(model, self.peft_config[adapter_name])  # every check runs before any module changes
+        prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
