@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from peft.config import PeftConfig
 
@@ -28,19 +28,21 @@ class UBMoEConfig(PeftConfig):
         },
     )
     r: int = field(default=8, metadata={"help": "LoRA rank of the bidirectional expert (expert_type='lora')."})
-    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha; the delta is scaled by alpha/r (alpha/sqrt(r) with rsLoRA)."})
+    lora_alpha: float = field(
+        default=16, metadata={"help": "LoRA alpha; the delta is scaled by alpha/r (alpha/sqrt(r) with rsLoRA)."}
+    )
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
     use_rslora: bool = field(
         default=True, metadata={"help": "Rank-stabilized LoRA scaling alpha/sqrt(r), as in the UBMoE paper."}
     )
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={
             "help": "Names of the FFN modules to wrap (matched against the end of module names, or a regex when a "
             "string). Default: found from the model_type table, else the decoder layers' 'mlp'/'feed_forward'."
         },
     )
-    ffn_projections: Optional[list[str]] = field(
+    ffn_projections: list[str] | None = field(
         default=None,
         metadata={
             "help": "Names, relative to the FFN, of the linear layers that get LoRA deltas. Default: every linear "
@@ -58,11 +60,11 @@ class UBMoEConfig(PeftConfig):
         default="float32",
         metadata={"help": f"dtype of the router weights and logits, one of {ROUTER_DTYPES}; float32 is safest."},
     )
-    layers_to_transform: Optional[Union[list[int], int]] = field(
+    layers_to_transform: list[int] | int | None = field(
         default=None,
         metadata={"help": "Decoder layer indices whose FFN is wrapped. Default: every layer."},
     )
-    modules_to_save: Optional[list[str]] = field(
+    modules_to_save: list[str] | None = field(
         default=None, metadata={"help": "Extra modules to train and save in full (PEFT's usual option)."}
     )
     base_model_signature: dict | None = field(

@@ -73,9 +73,10 @@ class UBMoEModel(BaseTuner):
         if isinstance(target, UBMoELayer):
             target.update_layer(adapter_name, peft_config)
             return
-        hidden = getattr(_text_config(self.model), "hidden_size", None) or next(
-            iter(linear_projections(target).values())
-        ).in_features
+        hidden = (
+            getattr(_text_config(self.model), "hidden_size", None)
+            or next(iter(linear_projections(target).values())).in_features
+        )
         new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, layer_index(current_key) or 0, hidden)
         if adapter_name not in self.active_adapters:
             new.requires_grad_(False)
@@ -173,8 +174,13 @@ class UBMoEModel(BaseTuner):
             )
         return self.model.generate(*args, **kwargs)
 
-    def _unload_and_optionally_merge(self, merge: bool = True, progressbar: bool = False, safe_merge: bool = False,
-                                     adapter_names: list[str] | None = None) -> nn.Module:
+    def _unload_and_optionally_merge(
+        self,
+        merge: bool = True,
+        progressbar: bool = False,
+        safe_merge: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> nn.Module:
         if merge:
             raise merge_unsupported()
         for handle in self._ubmoe_hooks:
@@ -287,7 +293,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
         if isinstance(module, nn.Linear):
             raise ValueError(
                 f"Target module {name!r} is a single linear layer, but UBMoE wraps a whole FFN (its projections "
-                f"become the experts). Target the FFN module instead, e.g. target_modules=['{name.rsplit('.', 2)[-2]}']."
+                f"become the experts). Target the FFN module instead, e.g. target_modules=['mlp']."
             )
         projections = selected_projections(module, config)
         if not projections:
