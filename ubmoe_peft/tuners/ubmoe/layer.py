@@ -55,9 +55,18 @@ def _lora_hook(layer_ref: weakref.ref, key: str, module: nn.Module, args: tuple,
     out = output.reshape(-1, output.shape[-1])  # (N, C_out)
     if rows is not None:
         x = x.index_select(0, rows)  # (R, C_in), only the tokens routed to bi
-    delta = b(a(layer.ubmoe_dropout[adapter](x.to(a.weight.dtype)))) * layer.scaling[adapter]  # (R, C_out)
-    delta = delta.to(out.dtype)
-    out = out + delta if rows is None else out.index_add(0, rows, delta)  # (N, C_out)
+    # Scale the rank-r side, not the (R, C_out) delta: the elementwise passes over wide tensors, not the LoRA matmuls,
+    # were the LoRA expert's prefill overhead (benchmarks/bench_prefill.py, docs/performance.md).
+    h = a(layer.ubmoe_dropout[adapter](x.to(a.weight.dtype))) * layer.scaling[adapter]  # (R, r)
+    inplace = not torch.is_grad_enabled()  # no graph to keep: add into the projection's fresh output, no new tensor
+    if rows is None and b.weight.dtype == out.dtype:
+        fused = out.addmm_(h, b.weight.t()) if inplace else torch.addmm(out, h, b.weight.t())  # (N, C_out)
+        return fused.view(output.shape)
+    delta = b(h).to(out.dtype)  # (R, C_out)
+    if rows is None:
+        out = out.add_(delta) if inplace else out + delta  # (N, C_out)
+    else:
+        out = out.index_add_(0, rows, delta) if inplace else out.index_add(0, rows, delta)  # (N, C_out)
     return out.view(output.shape)
 
 
@@ -189,13 +198,15 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     def router_logits(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """Router logits in the router's dtype (fp32 by default), also under bf16/fp16 autocast: (B, T, 2)."""
         router = self.ubmoe_router[adapter]
+        if not torch.is_autocast_enabled(x.device.type):  # entering a context per layer and token costs ~30 us
+            return router(x.to(router.weight.dtype))  # (B, T, 2)
         with torch.autocast(device_type=x.device.type, enabled=False):
             return router(x.to(router.weight.dtype))  # (B, T, 2)
 
     def _moe(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(adapter, x)  # (B, T, 2)
-        probs = logits.softmax(dim=-1)  # (B, T, 2)
         if self.top_k[adapter] == 2:
+            probs = logits.softmax(dim=-1)  # (B, T, 2)
             self._state.record(self.layer_idx, probs[..., 1])
             uni = self.base_layer(x)  # (B, T, C)
             bi = self._bi_expert(adapter, x, rows=None)  # (B, T, C)
@@ -215,7 +226,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             out = self._split_copy(adapter, x, to_bi, rows_bi)  # (B, T, C)
 
         router = self.ubmoe_router[adapter]
-        if torch.is_grad_enabled() and router.weight.requires_grad:
+        if torch.is_grad_enabled() and router.weight.requires_grad:  # top-1 needs p only for the router's gradient
+            probs = logits.softmax(dim=-1)  # (B, T, 2)
             p_sel = torch.where(to_bi, probs[..., 1], probs[..., 0])  # (B, T)
             gate = p_sel / p_sel.detach()  # (B, T), exactly 1, gradient 1/p
             out = out * gate.unsqueeze(-1).to(out.dtype)  # (B, T, C)

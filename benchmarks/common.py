@@ -1,0 +1,352 @@
+"""Shared pieces of the benchmark scripts: thread pinning, random models, forced routing, paired timing, peak memory.
+
+Every figure the suite reports is a ratio against a baseline measured in the same process and the same run. Cases
+are timed round-robin (base, variant A, variant B, base, ...) so that a slow spell of a shared machine hits every case
+of a round alike; the ratio of a case is the median over rounds of ``t_case / t_base`` within the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+# Model shapes from the published configs; the weights are random (no download, same cost per FLOP).
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "qwen2-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+}
+
+# Two hidden dimensions planted in the token embeddings to steer a router: dimension ALL_DIM is +PLANT for every
+# token, dimension HALF_DIM is +PLANT for the lower half of the vocabulary and -PLANT for the upper half. The residual
+# stream keeps these signs through the (small, random) layers, so a router weight on one of them routes 100% or
+# exactly the tokens from the lower vocabulary half to the bi expert. routing_stats checks the achieved share.
+ALL_DIM, HALF_DIM, PLANT = 0, 1, 2.0
+SHARES = (0.0, 0.5, 1.0)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("UBMOE_BENCH_THREADS", "1")))
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before the timed ones")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds; figures are medians over them")
+    parser.add_argument("--out", type=Path, default=None, help="write this script's result JSON here")
+    return parser
+
+
+def pin_threads(threads: int) -> int:
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first inter-op parallel work
+        torch.set_num_interop_threads(1)
+    return torch.get_num_threads()
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    info = {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    import peft
+    import transformers
+
+    info.update(transformers=transformers.__version__, peft=peft.__version__)
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def build_model(
+    shape: str, layers: int | None, device: str = "cpu", dtype: str = "float32", seed: int = 0
+) -> nn.Module:
+    """A random causal LM of the given shape (identical weights for equal seeds), in eval mode, steerable by routers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[shape])
+    if layers is not None:
+        spec["num_hidden_layers"] = layers
+    config = AutoConfig.for_model(**spec, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight  # (V, C)
+        half = emb.shape[0] // 2
+        emb[:, ALL_DIM] = PLANT
+        emb[:half, HALF_DIM], emb[half:, HALF_DIM] = PLANT, -PLANT
+    # Frozen, as PEFT leaves the base weights of every wrapped model. It matters for the baseline: torch.matmul folds
+    # (B, 1, C) @ W^T into one mm only when W requires grad, else it runs a bmm over an expanded W - for the LM head
+    # on the last prefill position that is 2-3x slower on CPU and would be charged to the wrapped model alone.
+    return model.requires_grad_(False).eval()
+
+
+def token_batch(batch: int, seq: int, vocab: int, device: str = "cpu", seed: int = 1) -> torch.Tensor:
+    """Random ids, exactly half of each row from the lower vocabulary half (the tokens a 50% router sends to bi)."""
+    gen = torch.Generator().manual_seed(seed)
+    half = vocab // 2
+    low = torch.randint(0, half, (batch, seq), generator=gen)  # (B, T)
+    high = torch.randint(half, vocab, (batch, seq), generator=gen)  # (B, T)
+    pick_low = torch.rand(batch, seq, generator=gen).argsort(dim=1) < seq // 2  # (B, T), seq//2 True per row
+    return torch.where(pick_low, low, high).to(device)  # (B, T)
+
+
+def set_share(model: nn.Module, share: float) -> None:
+    """Point every UBMoE router at a planted dimension so that ``share`` of tokens (0, 0.5 or 1) go to the bi expert."""
+    import ubmoe_peft
+
+    dim = {0.0: None, 0.5: HALF_DIM, 1.0: ALL_DIM}[share]
+    with torch.no_grad():
+        for layer in ubmoe_peft.modes.ubmoe_layers(model):
+            for router in layer.ubmoe_router.values():
+                router.weight.zero_()  # (2, C); equal logits -> uni
+                if dim is not None:
+                    router.weight[1, dim] = 1.0  # logit_bi - logit_uni = x[dim]
+
+
+def achieved_share(model: nn.Module) -> dict[str, float]:
+    import ubmoe_peft
+
+    stats = ubmoe_peft.routing_stats(model) or {}
+    values = list(stats.values()) or [float("nan")]
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def wrap(model: nn.Module, expert_type: str, top_k: int = 1, **kwargs: Any) -> nn.Module:
+    import peft
+
+    import ubmoe_peft
+
+    wrapped = peft.get_peft_model(model, ubmoe_peft.UBMoEConfig(expert_type=expert_type, top_k=top_k, **kwargs))
+    return wrapped.eval()
+
+
+# ---- timing -----------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    run: Callable[[], Any]
+    setup: Callable[[], Any] | None = None
+    times: list[float] = field(default_factory=list)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def paired_times(cases: list[Case], warmup: int, repeats: int, device: str = "cpu") -> list[Case]:
+    """Time each case once per round, round-robin, rotating the order each round; warm-up rounds are dropped."""
+    for round_idx in range(warmup + repeats):
+        shift = round_idx % len(cases)
+        for case in cases[shift:] + cases[:shift]:
+            if case.setup is not None:
+                case.setup()
+            _sync(device)
+            start = time.perf_counter()
+            case.run()
+            _sync(device)
+            if round_idx >= warmup:
+                case.times.append(time.perf_counter() - start)
+    return cases
+
+
+def ratio_stats(case: Case, base: Case) -> dict[str, float]:
+    """Median and quartiles over rounds of the per-round ratio t_case / t_base."""
+    ratios = sorted(t / b for t, b in zip(case.times, base.times, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2]}
+
+
+def row(
+    benchmark: str,
+    case: str,
+    metric: str,
+    value: float,
+    baseline: str,
+    base_value: float,
+    ratio: dict | float,
+    target: str | None,
+    ok: bool | None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result line; ``ratio`` is a float or ratio_stats(...)."""
+    stats = ratio if isinstance(ratio, dict) else {"ratio": ratio}
+    return dict(
+        benchmark=benchmark,
+        case=case,
+        metric=metric,
+        value=value,
+        baseline=baseline,
+        baseline_value=base_value,
+        **stats,
+        target=target,
+        met=ok,
+        **extra,
+    )
+
+
+# ---- peak memory ------------------------------------------------------------------------------------------------
+def rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's RSS high-water mark of this process (ru_maxrss, KiB on Linux): exact, no sampling gaps."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child_memory(script: Path, args: list[str]) -> dict[str, Any]:
+    """Run ``script --memory-child ...`` in a fresh process and return the JSON it prints on its last line."""
+    cmd = [sys.executable, str(script), "--memory-child", *args]
+    # A fixed mmap threshold stops glibc from raising it adaptively, so every large tensor is mmapped and unmapped on
+    # free: the RSS high-water mark then follows the peak of live tensors and repeats to within about 0.1 MiB.
+    env = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.write_text(text + "\n")
+    print(text)
+
+
+# ---- training steps: time (paired, one process) and peak memory (one fresh process per variant) -------------------
+Builder = Callable[[argparse.Namespace], Callable[[], Any]]  # builds a model and returns its one-step closure
+
+
+def training_benchmark(
+    name: str,
+    script: Path,
+    parser: argparse.ArgumentParser,
+    variants: dict[str, Builder],
+    baseline: str,
+    targets: dict[str, float],
+) -> None:
+    """Time each variant's training step against ``baseline`` (paired rounds) and measure each one's peak memory in a
+    fresh child process; ``targets`` maps a variant to its maximum ratio (time and memory alike)."""
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--memory-steps", type=int, default=2, help="steps per memory child (the first allocates optimizer state)"
+    )
+    args = parser.parse_args()
+    threads = pin_threads(args.threads)
+    if args.memory_child:
+        start = rss_bytes()
+        step = variants[args.variant](args)
+        for _ in range(args.memory_steps):
+            step()
+        print(json.dumps({"peak_bytes": peak_rss_bytes() - start, "start_bytes": start}))
+        return
+
+    cases = [Case(variant, build(args)) for variant, build in variants.items()]
+    paired_times(cases, args.warmup, args.repeats, args.device)
+    passthrough = [
+        "--threads",
+        str(args.threads),
+        "--shape",
+        args.shape,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
+    passthrough += [] if args.layers is None else ["--layers", str(args.layers)]
+    passthrough += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("batch", "seq")]
+    memory = {variant: child_memory(script, [*passthrough, "--variant", variant]) for variant in variants}
+    base = next(c for c in cases if c.name == baseline)
+    base_ms = 1000 * statistics.median(base.times)
+    base_mib = memory[baseline]["peak_bytes"] / 2**20
+    rows = []
+    for case in cases:
+        if case.name == baseline:
+            continue
+        limit = targets.get(case.name)
+        stats = ratio_stats(case, base)
+        ms = 1000 * statistics.median(case.times)
+        mib = memory[case.name]["peak_bytes"] / 2**20
+        target = None if limit is None else f"<= {limit}"
+        rows.append(
+            row(
+                name,
+                case.name,
+                "step ms",
+                ms,
+                baseline,
+                base_ms,
+                stats,
+                target,
+                None if limit is None else stats["ratio"] <= limit,
+            )
+        )
+        mem_ratio = mib / base_mib
+        rows.append(
+            row(
+                name,
+                case.name,
+                "peak MiB",
+                mib,
+                baseline,
+                base_mib,
+                mem_ratio,
+                target,
+                None if limit is None else mem_ratio <= limit,
+            )
+        )
+    result = {
+        "name": name,
+        "machine": machine() | {"torch_threads": threads},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "memory_child", "variant")},
+        "memory_method": "ru_maxrss of a fresh process per variant minus its RSS after imports",
+        "rows": rows,
+    }
+    emit(result, args.out)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU check (one H200, about 5-6 minutes, capped at 8): bf16 prefill and decode ratios on a Qwen2-1.5B-shaped random
+# model, the fraction of the GPU's bf16 dense peak the base prefill reaches, and the QLoRA stage-1 step
+# (benchmarks/gpu_qlora.py, when present). Results: JSON per step plus results_gpu.md in $OUT (or benchmarks/results_gpu).
+#
+#   bash benchmarks/gpu_check.sh            # PEAK_TFLOPS=989 (H200 bf16 dense) unless set
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
+DEST=${OUT:-benchmarks/results_gpu}
+PEAK=${PEAK_TFLOPS:-989}
+mkdir -p "$DEST"
+status=0
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: no CUDA device visible to torch; this script only runs on a GPU." >&2
+    exit 2
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$DEST/gpu.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a time cap, keep going on failure, log to $DEST/NAME.log
+    local name=$1 cap=$2
+    shift 2
+    echo "== $name (cap ${cap}s)"
+    local t0=$SECONDS
+    timeout "$cap" "$@" > "$DEST/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc in $((SECONDS - t0))s"
+    if [ $rc -ne 0 ]; then status=1; tail -20 "$DEST/$name.log"; fi
+}
+
+GPU=(--device cuda --dtype bfloat16 --shape qwen2-1.5b --threads 4)
+# Question 1 at the CPU suite's batch (8 x 256), then at 8 x 2048 where the base prefill can approach the peak.
+step prefill_8x256 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 --seq 256 --warmup 3 --repeats 15 \
+    --peak-tflops "$PEAK" --out "$DEST/prefill_8x256.json"
+step prefill_8x2048 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 --seq 2048 --warmup 3 --repeats 10 \
+    --peak-tflops "$PEAK" --out "$DEST/prefill_8x2048.json"
+# Question 2: greedy decode with KV cache, 128 new tokens, batch 1 and 8.
+step decode 150 "$PY" benchmarks/bench_decode.py "${GPU[@]}" --warmup 1 --repeats 4 --out "$DEST/decode.json"
+if [ -f benchmarks/gpu_qlora.py ]; then
+    step qlora 90 "$PY" benchmarks/gpu_qlora.py --out "$DEST/qlora.json"
+else
+    echo "== qlora: benchmarks/gpu_qlora.py not present, skipped"
+fi
+
+"$PY" - "$DEST" <<'PYEOF'
+import json, sys
+from pathlib import Path
+
+sys.path.insert(0, "benchmarks")
+from run_all import markdown
+
+dest = Path(sys.argv[1])
+results = [json.loads(p.read_text()) for n in ("prefill_8x256", "prefill_8x2048", "decode")
+           if (p := dest / f"{n}.json").exists()]
+text = markdown(results) if results else "# no GPU results\n"
+for result in results:
+    if "base_tflops" in result:
+        t = result["base_tflops"]
+        text += (f"\nBase prefill {result['config']['batch']}x{result['config']['seq']}: {t['achieved']:.0f} TFLOP/s, "
+                 f"{100 * t['fraction']:.1f}% of the {t['peak']:.0f} TFLOP/s bf16 dense peak.\n")
+if (dest / "qlora.json").exists():
+    text += "\nQLoRA stage-1 (gpu_qlora.py):\n\n```json\n" + (dest / "qlora.json").read_text() + "\n```\n"
+(dest / "results_gpu.md").write_text(text)
+print(text)
+PYEOF
+exit $status

@@ -1,0 +1,110 @@
+"""Run every CPU benchmark and write benchmarks/results.json and benchmarks/results.md.
+
+Each script runs in its own process (its peak-memory children too). Defaults fit a 2-core machine in about 15
+minutes: a SmolLM2-135M-shaped random model with 6 of its 30 decoder layers (see docs/performance.md for why the
+ratios carry over), one pinned torch thread, and the repeats below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+# script -> extra arguments; warm-up/repeat counts chosen so the whole suite stays near 15 minutes on 2 cores.
+SUITE: dict[str, list[str]] = {
+    "bench_prefill.py": ["--warmup", "2", "--repeats", "7"],
+    "bench_decode.py": ["--warmup", "1", "--repeats", "5"],
+    "bench_train_contrastive.py": ["--warmup", "1", "--repeats", "5"],
+    "bench_train_router.py": ["--warmup", "1", "--repeats", "5"],
+}
+SKIPPED = {
+    "mode-bi embedding throughput (sentence-transformers)": "not measured: out of scope for this suite's issue, "
+    "written when ubmoe_peft had no sentence-transformers wrapper; to_sentence_transformer has since landed, so "
+    "this benchmark is a follow-up",
+}
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    info = results[0]["machine"] if results else {}
+    lines = [
+        "# ubmoe-peft benchmark results",
+        "",
+        f"Machine: {info.get('cpu')}, {info.get('logical_cpus')} logical CPUs, {info.get('memory_gib')} GiB; "
+        f"torch threads pinned to {info.get('torch_threads')}; torch {info.get('torch')}, transformers "
+        f"{info.get('transformers')}, peft {info.get('peft')}.",
+        "",
+        "Ratio = median over paired rounds of (case / baseline), measured in the same process and run "
+        "(decode: tokens/s ratio, higher is better). q1-q3: quartiles of the per-round ratio.",
+        "",
+        "| benchmark | case | metric | value | baseline | baseline value | ratio | q1-q3 | target | met | bi share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for r in result["rows"]:
+            spread = f"{fmt(r['ratio_q1'])}-{fmt(r['ratio_q3'])}" if "ratio_q1" in r else "-"
+            share = r.get("bi_share", {}).get("mean")
+            lines.append(
+                f"| {r['benchmark']} | {r['case']} | {r['metric']} | {fmt(r['value'], 1)} | {r['baseline']} | "
+                f"{fmt(r['baseline_value'], 1)} | {fmt(r['ratio'])} | {spread} | {r['target'] or '-'} | "
+                f"{fmt(r['met'])} | {fmt(share, 2)} |"
+            )
+    lines += ["", "Settings per benchmark:", ""]
+    for result in results:
+        cfg = {k: v for k, v in result["config"].items() if v is not None}
+        lines.append(f"- {result['name']}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+        if "memory_method" in result:
+            lines.append(f"  (peak memory: {result['memory_method']})")
+    for name, why in SKIPPED.items():
+        lines.append(f"- {name}: {why}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the SmolLM2-135M shape (30 = all)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only these scripts (e.g. bench_decode.py)")
+    args = parser.parse_args()
+    results, started = [], time.time()
+    previous = HERE / "results.json"
+    if args.only and previous.exists():  # rerunning some scripts: keep the others' results from the last full run
+        results = [r for r in json.loads(previous.read_text())["results"] if f"bench_{r['script']}" not in args.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        for script, extra in SUITE.items():
+            if args.only and script not in args.only:
+                continue
+            out = Path(tmp) / f"{script}.json"
+            cmd = [sys.executable, str(HERE / script), "--threads", str(args.threads), "--layers", str(args.layers)]
+            print(f"[{time.time() - started:6.0f}s] {script}", flush=True)
+            subprocess.run([*cmd, *extra, "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+            results.append(json.loads(out.read_text()) | {"script": script.removeprefix("bench_")})
+            results.sort(key=lambda r: list(SUITE).index(f"bench_{r['script']}"))
+            partial = {"elapsed_s": round(time.time() - started), "results": results, "skipped": SKIPPED}
+            (HERE / "results.json").write_text(json.dumps(partial, indent=2) + "\n")  # kept if a later script fails
+    summary = {"elapsed_s": round(time.time() - started), "results": results, "skipped": SKIPPED}
+    (HERE / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (HERE / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"done in {summary['elapsed_s']} s: benchmarks/results.json, benchmarks/results.md")
+
+
+if __name__ == "__main__":
+    main()
