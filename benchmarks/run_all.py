@@ -24,12 +24,9 @@ SUITE: dict[str, list[str]] = {
     "bench_decode.py": ["--warmup", "1", "--repeats", "5"],
     "bench_train_contrastive.py": ["--warmup", "1", "--repeats", "5"],
     "bench_train_router.py": ["--warmup", "1", "--repeats", "5"],
+    "bench_embed.py": ["--warmup", "1", "--repeats", "5"],
 }
-SKIPPED = {
-    "mode-bi embedding throughput (sentence-transformers)": "not measured: out of scope for this suite's issue, "
-    "written when ubmoe_peft had no sentence-transformers wrapper; to_sentence_transformer has since landed, so "
-    "this benchmark is a follow-up",
-}
+SKIPPED: dict[str, str] = {}
 
 
 def fmt(value: Any, digits: int = 3) -> str:

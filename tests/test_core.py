@@ -368,3 +368,20 @@ def test_registration_survives_reimport():
     code = "import ubmoe_peft, peft; print(peft.PeftType('UBMOE').value)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "UBMOE"
+
+
+def test_routing_stats_count_only_real_tokens():
+    model, _ = wrap()
+    perturb_adapters(model)
+    layer = layers(model)[0]
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda m, args: seen.__setitem__("x", args[0]))
+    ids, mask = batch(padding="left")
+    logits(model, ids, mask)
+    handle.remove()
+    with torch.no_grad():
+        router = layer.router_logits("default", seen["x"])  # (B, T, 2)
+    to_bi = (router[..., 1] > router[..., 0]).float()  # (B, T)
+    expected = float((to_bi * mask).sum() / mask.sum())
+    assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(expected)
+    assert expected != pytest.approx(float(to_bi.mean()))  # the pads would have changed the share

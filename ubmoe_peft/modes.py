@@ -86,7 +86,4 @@ def set_stage(model: nn.Module, stage: str) -> None:
 def routing_stats(model: nn.Module) -> dict[int, float] | None:
     """{layer index: share of real tokens sent to the bi expert} in the last mode-moe forward (top_k=2: the mean bi
     weight); None before any mode-moe forward."""
-    routing = _state(model).routing
-    if not routing:
-        return None
-    return {layer: float(share) for layer, share in sorted(routing.items())}
+    return _state(model).shares()

@@ -30,7 +30,8 @@ class ModeState:
         self.mode = "moe"
         self.adapters_enabled = True
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
-        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> bi share (0-dim tensor), last moe forward
+        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> (B, T) bi weight, last moe forward
+        self.routing_mask: torch.Tensor | None = None  # token_mask of that forward
 
     @property
     def spec(self) -> ModeSpec:
@@ -40,16 +41,30 @@ class ModeState:
         self.token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
+            self.routing_mask = self.token_mask
 
     def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
-        """Store the share of real tokens sent to the bi expert; ``bi_weight`` is (B, T), 0/1 or a soft weight."""
+        """Keep a layer's routing, ``bi_weight`` (B, T): 0/1 (top-1) or the soft bi weight (top-2).
+
+        Only a reference is kept; the share is computed when asked for (`shares`), because reducing it here, in every
+        layer at every decode step, cost more than the router itself.
+        """
         if self.routing is None:
-            self.routing = {}
-        weight = bi_weight.detach().float()  # (B, T)
-        mask = self.token_mask
-        if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
-            real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
-            share = (weight * real).sum() / real.sum().clamp_min(1.0)
-        else:
-            share = weight.mean()
-        self.routing[layer_idx] = share
+            self.routing, self.routing_mask = {}, self.token_mask
+        self.routing[layer_idx] = bi_weight.detach()
+
+    def shares(self) -> dict[int, float] | None:
+        """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
+        if not self.routing:
+            return None
+        result = {}
+        for layer_idx, bi_weight in sorted(self.routing.items()):
+            weight = bi_weight.float()  # (B, T)
+            mask = self.routing_mask
+            if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
+                real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
+                share = (weight * real).sum() / real.sum().clamp_min(1.0)
+            else:
+                share = weight.mean()
+            result[layer_idx] = float(share)
+        return result
