@@ -181,7 +181,7 @@ def test_top2_mixes_both_experts(expert):
 
 
 @pytest.mark.parametrize("expert", EXPERTS)
-def test_top1_runs_each_token_through_one_expert_only(expert):
+def test_top1_runs_each_token_through_one_expert_only(expert, monkeypatch):
     model, _ = wrap("llama", expert)
     perturb_adapters(model)
     layer = layers(model)[0]
@@ -190,11 +190,18 @@ def test_top1_runs_each_token_through_one_expert_only(expert):
     def count(kind):
         return lambda module, args, output: seen.__setitem__(kind, seen[kind] + args[0].shape[:-1].numel())
 
-    bi_module = layer.ubmoe_copy["default"] if expert == "copy" else layer.ubmoe_lora_A["default"]["gate_proj"]
-    hooks = [
-        layer.base_layer.gate_proj.register_forward_hook(count("uni")),
-        bi_module.register_forward_hook(count("bi")),
-    ]
+    hooks = [layer.base_layer.gate_proj.register_forward_hook(count("uni"))]
+    if expert == "copy":
+        hooks.append(layer.ubmoe_copy["default"].register_forward_hook(count("bi")))
+    else:  # the LoRA hook uses its weights functionally: count the rows multiplied by lora_A of gate_proj
+        lora_a, linear = layer.ubmoe_lora_A["default"]["gate_proj"].weight, torch.nn.functional.linear
+
+        def counting_linear(x, weight, bias=None):
+            if weight is lora_a:
+                seen["bi"] += x.shape[:-1].numel()
+            return linear(x, weight, bias)
+
+        monkeypatch.setattr(torch.nn.functional, "linear", counting_linear)
     x = torch.randn(3, 10, 32)  # (B, T, C)
     with torch.no_grad():
         logits_ = layer.router_logits("default", x)  # (B, T, 2)

@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
@@ -50,19 +51,26 @@ def _lora_hook(layer_ref: weakref.ref, key: str, module: nn.Module, args: tuple,
     lora_a = layer.ubmoe_lora_A[adapter]
     if key not in lora_a:
         return None
-    a, b = lora_a[key], layer.ubmoe_lora_B[adapter][key]
+    # Weights are used functionally (F.linear) and dropout only when it is active: at decode sizes the per-call
+    # overhead of module calls, not the rank-r matmuls, was the hook's cost (docs/performance.md).
+    a_weight, b_weight = lora_a[key].weight, layer.ubmoe_lora_B[adapter][key].weight  # (r, C_in), (C_out, r)
     x = args[0].reshape(-1, args[0].shape[-1])  # (N, C_in)
     out = output.reshape(-1, output.shape[-1])  # (N, C_out)
     if rows is not None:
         x = x.index_select(0, rows)  # (R, C_in), only the tokens routed to bi
+    if x.dtype != a_weight.dtype:
+        x = x.to(a_weight.dtype)
+    dropout = layer.ubmoe_dropout[adapter]
+    if dropout.training:
+        x = dropout(x)  # (R, C_in)
     # Scale the rank-r side, not the (R, C_out) delta: the elementwise passes over wide tensors, not the LoRA matmuls,
     # were the LoRA expert's prefill overhead (benchmarks/bench_prefill.py, docs/performance.md).
-    h = a(layer.ubmoe_dropout[adapter](x.to(a.weight.dtype))) * layer.scaling[adapter]  # (R, r)
+    h = F.linear(x, a_weight) * layer.scaling[adapter]  # (R, r)
     inplace = not torch.is_grad_enabled()  # no graph to keep: add into the projection's fresh output, no new tensor
-    if rows is None and b.weight.dtype == out.dtype:
-        fused = out.addmm_(h, b.weight.t()) if inplace else torch.addmm(out, h, b.weight.t())  # (N, C_out)
+    if rows is None and b_weight.dtype == out.dtype:
+        fused = out.addmm_(h, b_weight.t()) if inplace else torch.addmm(out, h, b_weight.t())  # (N, C_out)
         return fused.view(output.shape)
-    delta = b(h).to(out.dtype)  # (R, C_out)
+    delta = F.linear(h, b_weight).to(out.dtype)  # (R, C_out)
     if rows is None:
         out = out.add_(delta) if inplace else out + delta  # (N, C_out)
     else:
