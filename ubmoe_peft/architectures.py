@@ -34,6 +34,12 @@ FALLBACK_FFN_NAMES = ("mlp", "feed_forward", "ffn")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
+def text_config(model: nn.Module):
+    """The model's (text) config: the language model's config of multimodal models, else ``model.config``."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def layer_index(module_name: str) -> int | None:
     """The decoder layer index in a module name such as ``model.layers.3.mlp`` (the last number in it)."""
     found = _LAYER_INDEX.findall(module_name)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .architectures import text_config
 from .modes import use_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -31,15 +32,10 @@ class DependenceResult:
     per_layer: list[dict[str, float]] = field(default_factory=list)
 
 
-def _config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 @contextmanager
 def _eager_attention(model: nn.Module):
     """Attention weights exist only in eager attention; switch to it for the measurement and back afterwards."""
-    config = _config(model)
+    config = text_config(model)
     previous = getattr(config, "_attn_implementation", None)
     config._attn_implementation = "eager"
     try:

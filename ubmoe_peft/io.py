@@ -174,11 +174,14 @@ def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict
     return load_peft_weights
 
 
-def _from_json_file(cls: type, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
-    loaded = read_json_config(path_json_file)
-    if "runtime_config" in loaded:  # PEFT's own rule, kept
-        del loaded["runtime_config"]
-    return loaded
+def _wrap_from_json_file(original: Callable[..., dict]) -> Callable[..., dict]:
+    def from_json_file(cls: type, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
+        read_json_config(path_json_file)  # raises AdapterFileError naming the file; PEFT then reads it as always
+        return original.__func__(cls, path_json_file, **kwargs)
+
+    wrapped = classmethod(from_json_file)
+    wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return wrapped
 
 
 def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -220,10 +223,9 @@ def install() -> None:
         peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
         peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
-    if not hasattr(PeftConfig.from_json_file.__func__, "_ubmoe_wrapped"):
-        wrapped = classmethod(_from_json_file)
-        wrapped.__func__._ubmoe_wrapped = PeftConfig.from_json_file  # type: ignore[attr-defined]
-        PeftConfig.from_json_file = wrapped
+    from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin
+    if not hasattr(from_json_file.__func__, "_ubmoe_wrapped"):
+        PeftConfig.from_json_file = _wrap_from_json_file(from_json_file)
     get_peft_type = inspect.getattr_static(PeftConfig, "_get_peft_type")  # a classmethod of PeftConfigMixin
     if not hasattr(get_peft_type.__func__, "_ubmoe_wrapped"):
         PeftConfig._get_peft_type = _wrap_get_peft_type(get_peft_type)

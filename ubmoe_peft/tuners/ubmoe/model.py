@@ -10,7 +10,14 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
 
-from ...architectures import FFN_MODULES, decoder_layers, default_ffn_target, layer_index, linear_projections
+from ...architectures import (
+    FFN_MODULES,
+    decoder_layers,
+    default_ffn_target,
+    layer_index,
+    linear_projections,
+    text_config,
+)
 from ...io import AdapterMismatchError
 from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
@@ -32,11 +39,6 @@ def _matches(config: UBMoEConfig, key: str) -> bool:
     if hit and config.layers_to_transform is not None:
         hit = layer_index(key) in config.layers_to_transform
     return hit
-
-
-def _text_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class UBMoEModel(BaseTuner):
@@ -74,7 +76,7 @@ class UBMoEModel(BaseTuner):
             target.update_layer(adapter_name, peft_config)
             return
         hidden = (
-            getattr(_text_config(self.model), "hidden_size", None)
+            getattr(text_config(self.model), "hidden_size", None)
             or next(iter(linear_projections(target).values())).in_features
         )
         new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, layer_index(current_key) or 0, hidden)
@@ -119,7 +121,7 @@ class UBMoEModel(BaseTuner):
             self._ubmoe_hooks.append(attention.register_forward_pre_hook(self._check_bidirectional, with_kwargs=True))
 
     def _attn_implementation(self) -> str | None:
-        return getattr(_text_config(self.model), "_attn_implementation", None)
+        return getattr(text_config(self.model), "_attn_implementation", None)
 
     def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._ubmoe_state
@@ -159,11 +161,15 @@ class UBMoEModel(BaseTuner):
         real = state.token_mask
         if real is None or real.shape != (mask.shape[0], mask.shape[-1]):
             real = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)  # (B, K)
-        real = real.to(device=mask.device, dtype=torch.bool)
-        for row in range(mask.shape[0]):
-            positions = real[row].nonzero().flatten()  # real token positions of this row
-            if positions.numel() >= 2 and not bool(allowed[row, 0, positions[0], positions[1]]):
-                raise _causal_error(self._attn_implementation())
+        real = real.to(device=mask.device, dtype=torch.bool)  # (B, K)
+        # In every row with two or more real tokens, the first real token must see the second one.
+        first = real.int().argmax(dim=1)  # (B,)
+        after_first = real & (torch.arange(real.shape[1], device=real.device) > first.unsqueeze(1))  # (B, K)
+        second = after_first.int().argmax(dim=1)  # (B,)
+        rows = torch.arange(real.shape[0], device=real.device)  # (B,)
+        sees = allowed[rows, 0, first, second]  # (B,)
+        if bool((after_first.any(dim=1) & ~sees).any()):
+            raise _causal_error(self._attn_implementation())
 
     # ---- generation, unload -------------------------------------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,7 +214,7 @@ def _causal_error(implementation: str | None) -> RuntimeError:
 
 def base_signature(model: nn.Module) -> dict[str, Any]:
     """What an adapter must match in its base: architecture, hidden size and number of decoder layers."""
-    config = _text_config(model)
+    config = text_config(model)
     return {
         "model_type": getattr(config, "model_type", None),
         "hidden_size": getattr(config, "hidden_size", None),
@@ -222,7 +228,7 @@ def _describe(name: str | None, signature: dict[str, Any] | None) -> str:
 
 
 def _mismatch(config: UBMoEConfig, model: nn.Module, problem: str) -> AdapterMismatchError:
-    model_name = getattr(_text_config(model), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    model_name = getattr(text_config(model), "_name_or_path", None) or getattr(model, "name_or_path", None)
     return AdapterMismatchError(
         f"This UBMoE adapter was made for {_describe(config.base_model_name_or_path, config.base_model_signature)}, "
         f"but the model it is loaded into is {_describe(model_name, base_signature(model))}: {problem} Load the "
