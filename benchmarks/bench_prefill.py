@@ -41,7 +41,7 @@ def naive_forward(self: ubmoe_peft.UBMoELayer, x: torch.Tensor, *args: Any, **kw
     to_bi = logits[..., 1] > logits[..., 0]  # (B, T)
     self._state.record(self.layer_idx, to_bi)
     uni = self.base_layer(x)  # (B, T, C)
-    bi = self._bi_expert(adapter, x, rows=None)  # (B, T, C)
+    bi = self._bi_expert(adapter, x)  # (B, T, C)
     return torch.where(to_bi.unsqueeze(-1), bi, uni)  # (B, T, C)
 
 

@@ -201,17 +201,12 @@ def _to_dense(module: nn.Linear) -> nn.Linear:
     return dense
 
 
-def make_dense_copy(ffn: nn.Module, hook_handles: list) -> nn.Module:
-    """A trainable copy of ``ffn`` without our LoRA hooks, with quantized linears dequantized to the compute dtype."""
-    ids = {h.id for h in hook_handles}
+def make_dense_copy(ffn: nn.Module) -> nn.Module:
+    """A trainable copy of ``ffn``, with quantized linears dequantized to the compute dtype."""
     quantized = {name for name, module in ffn.named_modules() if is_quantized_linear(module)}
     # Deep-copying a quantized layer would duplicate its packed weight only to drop it: copy the FFN without them.
     memo = {id(ffn.get_submodule(name)): nn.Identity() for name in quantized}
     replica = copy.deepcopy(ffn, memo)
-    for module in replica.modules():
-        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-            for hook_id in ids:
-                hooks.pop(hook_id, None)
     for name in quantized:
         parent_name, _, child = name.rpartition(".")
         parent = replica.get_submodule(parent_name) if parent_name else replica

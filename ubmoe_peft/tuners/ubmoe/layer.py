@@ -12,15 +12,17 @@ Routing (Mixtral / Qwen3-MoE form, experts ordered [uni, bi])::
 is exactly 1, as in an exported Mixtral-style model, but the router still receives d loss / d p_e (with a plain
 renormalisation the top-1 weight is the constant 1 and the router would get no gradient at all).
 
-Top-1 never runs both experts on a token. A LoRA expert shares the base projections, so the FFN runs once and each
-projection adds ``B A x * scale`` only on the rows routed to bi (a forward hook on the projection, which keeps the
-FFN's own forward - whatever the architecture - untouched). A copy expert runs only on its rows.
+Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections, so the FFN runs once and each
+projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection, which
+keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base FFN's,
+and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs only on
+its rows.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -41,57 +43,35 @@ def _module_key(name: str) -> str:
     return name.replace(".", "__")
 
 
-def _lora_hook(layer_ref: weakref.ref, key: str, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
-    """Forward hook on a base projection: adds the active LoRA delta on the routed rows, if a route is set."""
-    layer = layer_ref()
-    route = None if layer is None else layer._route
-    if route is None:
-        return None
-    adapter, rows = route
-    lora_a = layer.ubmoe_lora_A[adapter]
-    if key not in lora_a:
-        return None
+def _lora_delta(
+    layer: UBMoELayer, adapter: str, key: str, scale: float | torch.Tensor, module: nn.Module, args: tuple, out: Any
+) -> torch.Tensor:
+    """Forward hook on a base projection, installed only for one routed FFN call: adds ``scale * B A x`` to its output.
+
+    ``scale`` is the adapter's scaling (every row routed to bi) or an (N, 1) column that is the scaling on the rows
+    routed to bi and 0 on the others, whose output then stays bit-identical to the base projection's.
+    """
     # Weights are used functionally (F.linear) and dropout only when it is active: at decode sizes the per-call
     # overhead of module calls, not the rank-r matmuls, was the hook's cost (docs/performance.md).
-    a_weight, b_weight = lora_a[key].weight, layer.ubmoe_lora_B[adapter][key].weight  # (r, C_in), (C_out, r)
+    a_weight, b_weight = layer.ubmoe_lora_A[adapter][key].weight, layer.ubmoe_lora_B[adapter][key].weight  # (r, C_in)
     x = args[0].reshape(-1, args[0].shape[-1])  # (N, C_in)
-    out = output.reshape(-1, output.shape[-1])  # (N, C_out)
-    if rows is not None:
-        x = x.index_select(0, rows)  # (R, C_in), only the tokens routed to bi
     if x.dtype != a_weight.dtype:
         x = x.to(a_weight.dtype)
     dropout = layer.ubmoe_dropout[adapter]
     if dropout.training:
-        x = dropout(x)  # (R, C_in)
-    # Scale the rank-r side, not the (R, C_out) delta: the elementwise passes over wide tensors, not the LoRA matmuls,
-    # were the LoRA expert's prefill overhead (benchmarks/bench_prefill.py, docs/performance.md).
-    h = F.linear(x, a_weight) * layer.scaling[adapter]  # (R, r)
+        x = dropout(x)  # (N, C_in)
+    # Scale the rank-r side, not the (N, C_out) delta: elementwise passes over wide tensors, not the LoRA matmuls, were
+    # the LoRA expert's prefill overhead. A zero-scaled row costs a rank-r product, far less than the gather of the
+    # routed rows and the scatter of their deltas it replaces (benchmarks/bench_prefill.py, docs/performance.md).
+    h = F.linear(x, a_weight) * scale  # (N, r)
+    flat = out.reshape(-1, out.shape[-1])  # (N, C_out)
     inplace = not torch.is_grad_enabled()  # no graph to keep: add into the projection's fresh output, no new tensor
-    if rows is None and b_weight.dtype == out.dtype:
-        fused = out.addmm_(h, b_weight.t()) if inplace else torch.addmm(out, h, b_weight.t())  # (N, C_out)
-        return fused.view(output.shape)
-    delta = F.linear(h, b_weight).to(out.dtype)  # (R, C_out)
-    if rows is None:
-        out = out.add_(delta) if inplace else out + delta  # (N, C_out)
+    if b_weight.dtype == flat.dtype:  # (C_out, r)
+        fused = flat.addmm_(h, b_weight.t()) if inplace else torch.addmm(flat, h, b_weight.t())  # (N, C_out)
     else:
-        out = out.index_add_(0, rows, delta) if inplace else out.index_add(0, rows, delta)  # (N, C_out)
-    return out.view(output.shape)
-
-
-class _LoraHook:
-    """The forward hook on one base projection. It holds its layer weakly (no reference cycle); a deep copy of the
-    model (TRL's reference model, EMA copies) gets hooks that point to the copied layer, never the original's."""
-
-    def __init__(self, layer_ref: weakref.ref, key: str) -> None:
-        self.layer_ref, self.key = layer_ref, key
-
-    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> Any:
-        return _lora_hook(self.layer_ref, self.key, module, args, output)
-
-    def __deepcopy__(self, memo: dict) -> _LoraHook:
-        layer = self.layer_ref()
-        copied = memo.get(id(layer)) if layer is not None else None  # the layer is copied before its projections
-        return _LoraHook(weakref.ref(copied), self.key) if copied is not None else self
+        delta = F.linear(h, b_weight).to(flat.dtype)  # (N, C_out)
+        fused = flat.add_(delta) if inplace else flat + delta  # (N, C_out)
+    return fused.view(out.shape)
 
 
 class UBMoELayer(nn.Module, BaseTunerLayer):
@@ -125,8 +105,6 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self._state = state
         self.layer_idx = layer_idx
         self.hidden_size = hidden_size
-        self._route: tuple[str, torch.Tensor | None] | None = None
-        self._hook_handles: list[torch.utils.hooks.RemovableHandle] = []
         self.update_layer(adapter_name, config)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -147,9 +125,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             self.ubmoe_lora_A[adapter_name], self.ubmoe_lora_B[adapter_name] = a_dict, b_dict
             self.ubmoe_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
             self.scaling[adapter_name] = config.scaling
-            self._register_lora_hooks(projections)
         else:
-            self.ubmoe_copy[adapter_name] = make_dense_copy(self.base_layer, self._hook_handles)
+            self.ubmoe_copy[adapter_name] = make_dense_copy(self.base_layer)
         router = nn.Linear(self.hidden_size, 2, bias=False, device=device, dtype=_ROUTER_DTYPES[config.router_dtype])
         nn.init.zeros_(router.weight)  # equal logits -> every token to the uni expert (our tie rule)
         self.ubmoe_router[adapter_name] = router
@@ -157,27 +134,14 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.expert_type[adapter_name] = config.expert_type
         self.set_adapter(self.active_adapters)
 
-    def _register_lora_hooks(self, projections: dict[str, nn.Linear]) -> None:
-        hooked = {h.id for h in self._hook_handles}
-        for name, proj in projections.items():
-            if any(hid in proj._forward_hooks for hid in hooked):
-                continue  # another adapter of this layer already hooked this projection
-            hook = _LoraHook(weakref.ref(self), _module_key(name))
-            self._hook_handles.append(proj.register_forward_hook(hook))
-
-    def remove_hooks(self) -> None:
-        """Detach the LoRA hooks from the base projections (on unload)."""
-        ids = {handle.id for handle in self._hook_handles}
-        for module in self.base_layer.modules():  # not handle.remove(): a deep copy's handles point to the original
-            for hook_id in ids:
-                module._forward_hooks.pop(hook_id, None)
-        self._hook_handles.clear()
-
     # ---- forward ------------------------------------------------------------------------------------------------
     def _current_adapter(self) -> str | None:
         if self.disable_adapters:
             return None
-        present = [a for a in self.active_adapters if a in self.ubmoe_router]
+        active = self.active_adapters
+        if len(active) == 1:  # the common case, without a list per layer and token
+            return active[0] if active[0] in self.ubmoe_router else None
+        present = [a for a in active if a in self.ubmoe_router]
         if len(present) > 1:
             raise ValueError(
                 f"UBMoE runs one adapter at a time, but {present} are active. Choose one with model.set_adapter(name)."
@@ -190,48 +154,64 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         if adapter is None or ffn == "uni":
             return self.base_layer(x, *args, **kwargs)
         if ffn == "bi":
-            return self._bi_expert(adapter, x, rows=None)
+            return self._bi_expert(adapter, x)
         return self._moe(adapter, x)
 
-    def _bi_expert(self, adapter: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-        """The bi expert on all tokens (``rows`` None), or the whole FFN output with the bi expert on ``rows`` only."""
+    def _bi_expert(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
+        """The bi expert on every token."""
         if self.expert_type[adapter] == "copy":
-            return self.ubmoe_copy[adapter](x).to(x.dtype)  # rows are handled by _moe for copies
-        self._route = (adapter, rows)
+            return self.ubmoe_copy[adapter](x).to(x.dtype)
+        return self._lora_ffn(adapter, x, self.scaling[adapter])
+
+    def _lora_ffn(self, adapter: str, x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+        """The FFN with the LoRA deltas of ``adapter`` scaled by ``scale`` (a float, or an (N, 1) per-token column).
+
+        The deltas ride on the FFN's own projections through forward hooks that exist only during this call, so the
+        FFN's forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode
+        uni, a token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
+        """
+        handles = [
+            self.base_layer.get_submodule(key.replace("__", ".")).register_forward_hook(
+                functools.partial(_lora_delta, self, adapter, key, scale)
+            )
+            for key in self.ubmoe_lora_A[adapter]
+        ]
         try:
             return self.base_layer(x)
         finally:
-            self._route = None
+            for handle in handles:
+                handle.remove()
 
     def router_logits(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """Router logits in the router's dtype (fp32 by default), also under bf16/fp16 autocast: (B, T, 2)."""
-        router = self.ubmoe_router[adapter]
+        router = self.ubmoe_router[adapter]  # called as a module: forward hooks on routers (aux losses) see it
+        if x.dtype != router.weight.dtype:
+            x = x.to(router.weight.dtype)
         if not torch.is_autocast_enabled(x.device.type):  # entering a context per layer and token costs ~30 us
-            return router(x.to(router.weight.dtype))  # (B, T, 2)
+            return router(x)  # (B, T, 2)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return router(x.to(router.weight.dtype))  # (B, T, 2)
+            return router(x)  # (B, T, 2)
 
     def _moe(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(adapter, x)  # (B, T, 2)
         if self.top_k[adapter] == 2:
             probs = logits.softmax(dim=-1)  # (B, T, 2)
-            self._state.record(self.layer_idx, probs[..., 1])
+            self._state.record(self.layer_idx, probs[..., 1].detach())
             uni = self.base_layer(x)  # (B, T, C)
-            bi = self._bi_expert(adapter, x, rows=None)  # (B, T, C)
+            bi = self._bi_expert(adapter, x)  # (B, T, C)
             return (probs[..., :1] * uni + probs[..., 1:] * bi).to(x.dtype)  # (B, T, C)
 
         to_bi = logits[..., 1] > logits[..., 0]  # (B, T), strict: ties go to the uni expert
         self._state.record(self.layer_idx, to_bi)
-        rows_bi = to_bi.reshape(-1).nonzero().squeeze(1)  # (R,)
-        n_tokens = to_bi.numel()
-        if rows_bi.numel() == 0:
+        n_bi = int(to_bi.sum())  # one host sync per layer; it lets a layer with no routed token skip the expert
+        if n_bi == 0:
             out = self.base_layer(x)  # (B, T, C)
-        elif rows_bi.numel() == n_tokens:
-            out = self._bi_expert(adapter, x, rows=None)  # (B, T, C)
-        elif self.expert_type[adapter] == "lora":
-            out = self._bi_expert(adapter, x, rows=rows_bi)  # (B, T, C)
+        elif n_bi == to_bi.numel():
+            out = self._bi_expert(adapter, x)  # (B, T, C)
+        elif self.expert_type[adapter] == "lora":  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
+            out = self._lora_ffn(adapter, x, to_bi.reshape(-1, 1) * self.scaling[adapter])  # (B, T, C)
         else:
-            out = self._split_copy(adapter, x, to_bi, rows_bi)  # (B, T, C)
+            out = self._split_copy(adapter, x, to_bi)  # (B, T, C)
 
         router = self.ubmoe_router[adapter]
         if torch.is_grad_enabled() and router.weight.requires_grad:  # top-1 needs p only for the router's gradient
@@ -241,9 +221,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             out = out * gate.unsqueeze(-1).to(out.dtype)  # (B, T, C)
         return out
 
-    def _split_copy(self, adapter: str, x: torch.Tensor, to_bi: torch.Tensor, rows_bi: torch.Tensor) -> torch.Tensor:
+    def _split_copy(self, adapter: str, x: torch.Tensor, to_bi: torch.Tensor) -> torch.Tensor:
         """Copy expert top-1: each expert runs only on its own tokens."""
         flat = x.reshape(-1, x.shape[-1])  # (N, C)
+        rows_bi = to_bi.reshape(-1).nonzero().squeeze(1)  # (R,)
         rows_uni = (~to_bi).reshape(-1).nonzero().squeeze(1)  # (N - R,)
         out_uni = self.base_layer(flat.index_select(0, rows_uni).unsqueeze(0)).squeeze(0)  # (N - R, C)
         out_bi = self.ubmoe_copy[adapter](flat.index_select(0, rows_bi).unsqueeze(0)).squeeze(0)  # (R, C)

@@ -194,7 +194,6 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_hooks.clear()
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
-                module.remove_hooks()
                 parent_name, _, child = name.rpartition(".")
                 setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, module.base_layer)
         if hasattr(self.model, "peft_config"):

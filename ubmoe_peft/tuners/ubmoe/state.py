@@ -44,14 +44,14 @@ class ModeState:
             self.routing_mask = self.token_mask
 
     def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
-        """Keep a layer's routing, ``bi_weight`` (B, T): 0/1 (top-1) or the soft bi weight (top-2).
+        """Keep a layer's routing, ``bi_weight`` (B, T) without a graph: 0/1 (top-1) or the soft bi weight (top-2).
 
         Only a reference is kept; the share is computed when asked for (`shares`), because reducing it here, in every
         layer at every decode step, cost more than the router itself.
         """
         if self.routing is None:
             self.routing, self.routing_mask = {}, self.token_mask
-        self.routing[layer_idx] = bi_weight.detach()
+        self.routing[layer_idx] = bi_weight  # callers pass tensors without a graph (detached)
 
     def shares(self) -> dict[int, float] | None:
         """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
