@@ -311,3 +311,16 @@ def test_adapter_from_4bit_run_loads_on_4bit_and_full_precision_bases(saved_dirs
         # On the original weights W instead of Q(W), the outputs move by the quantization error, in every mode alike.
         quantization_error = (logits(loaded["original"], ids) - outputs[mode]).abs().max()
         assert 1e-3 < quantization_error < 1.0
+
+
+@pytest.mark.parametrize("expert", ["lora", "copy"])
+def test_merge_into_a_quantized_base_is_refused_before_any_change(saved_dirs, expert):
+    model = get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig(expert_type=expert))
+    perturb(model)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items() if v.dtype.is_floating_point}
+    with pytest.raises(ValueError, match=r"quantized layers .*Load the base model without quantization"):
+        model.merge_and_unload(target="bi")
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ubmoe_peft.set_mode(model, "bi")
+    assert torch.isfinite(logits(model.eval(), ids_batch(2))).all()  # still wrapped and usable

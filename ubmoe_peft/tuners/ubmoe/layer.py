@@ -31,7 +31,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ...architectures import linear_projections
-from .bnb import make_dense_copy
+from .bnb import is_quantized_linear, make_dense_copy
 from .config import UBMoEConfig
 from .state import ModeState
 
@@ -232,6 +232,46 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         out = out.index_copy(0, rows_uni, out_uni).index_copy(0, rows_bi, out_bi.to(out.dtype))  # (N, C)
         return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C)
 
+    # ---- merging (mode bi as a plain FFN) ----------------------------------------------------------------------
+    def bi_weights(self, adapter: str, check_finite: bool = False) -> dict[str, torch.Tensor]:
+        """{projection name in the FFN: weight of the bi expert}, in the base's dtype: the copy's weights, or
+        ``W + scale * B A`` (computed in fp32) for LoRA-adapted projections and ``W`` for the others. Nothing is
+        written; every check of a merge or an export happens here, before anything changes."""
+        quantized = [name for name, module in self.base_layer.named_modules() if is_quantized_linear(module)]
+        if quantized:
+            raise ValueError(
+                f"Cannot merge or export layer {self.layer_idx}: its FFN has the quantized layers {quantized}, and a "
+                "merged or exported model is a plain dense model. Load the base model without quantization "
+                "(dtype=torch.bfloat16 or float32), load the adapter onto it with PeftModel.from_pretrained(base, "
+                "adapter_dir), then merge."
+            )
+        source = self.ubmoe_copy[adapter] if self.expert_type[adapter] == "copy" else self.base_layer
+        weights = {name: proj.weight.detach() for name, proj in linear_projections(source).items()}  # (out, in)
+        lora_a = self.ubmoe_lora_A[adapter] if adapter in self.ubmoe_lora_A else {}
+        for key, a in lora_a.items():
+            name = key.replace("__", ".")
+            delta = (self.ubmoe_lora_B[adapter][key].weight @ a.weight).float() * self.scaling[adapter]  # (out, in)
+            weights[name] = (weights[name].float() + delta).to(weights[name].dtype)  # (out, in)
+        if check_finite:
+            broken = [name for name, weight in weights.items() if not bool(torch.isfinite(weight).all())]
+            if broken:
+                raise ValueError(
+                    f"The bi expert of adapter {adapter!r} has NaN/inf weights in {broken} of layer {self.layer_idx} "
+                    "(safe_merge=True checked before changing any weight); the adapter is broken."
+                )
+        return weights
+
+    def bi_ffn(self, adapter: str, weights: dict[str, torch.Tensor]) -> nn.Module:
+        """The bi expert as a plain FFN of the base's own classes, from ``bi_weights(adapter)``: the FFN copy, or
+        ``base_layer`` with the merged weights written into it."""
+        if self.expert_type[adapter] == "copy":
+            return self.ubmoe_copy[adapter].requires_grad_(False)
+        with torch.no_grad():
+            for key in self.ubmoe_lora_A[adapter]:
+                name = key.replace("__", ".")
+                self.base_layer.get_submodule(name).weight.copy_(weights[name])
+        return self.base_layer
+
     # ---- PEFT protocol ------------------------------------------------------------------------------------------
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise merge_unsupported()
@@ -265,6 +305,7 @@ def selected_projections(ffn: nn.Module, config: UBMoEConfig) -> dict[str, nn.Li
 
 def merge_unsupported() -> NotImplementedError:
     return NotImplementedError(
-        "Merging a UBMoE adapter into the base weights is not available yet: a routed 2-expert FFN has no dense "
-        "equivalent in mode 'moe'. Keep the adapter separate (model.save_pretrained) or call model.unload()."
+        "A UBMoE adapter is not merged layer by layer: a routed 2-expert FFN has no dense equivalent in mode 'moe'. "
+        "Use model.merge_and_unload(target='bi') for the dense embedding model, keep the adapter separate "
+        "(model.save_pretrained), or call model.unload() for the base model."
     )

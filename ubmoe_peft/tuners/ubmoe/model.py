@@ -18,6 +18,7 @@ from ...architectures import (
     linear_projections,
     text_config,
 )
+from ...export import export_moe
 from ...io import AdapterMismatchError
 from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
@@ -180,6 +181,46 @@ class UBMoEModel(BaseTuner):
             )
         return self.model.generate(*args, **kwargs)
 
+    def merge_and_unload(
+        self,
+        target: str = "moe",
+        progressbar: bool = False,
+        safe_merge: bool = False,
+        adapter_names: list[str] | None = None,
+    ) -> nn.Module:
+        """The adapted model as a plain transformers model that needs no ubmoe-peft to load.
+
+        ``target="moe"`` (default): a new transformers MoE model (Mixtral for Llama/Mistral, Qwen3-MoE for Qwen3)
+        with the original FFN and the bi expert as its two experts and our routers; it equals mode moe (see
+        ``ubmoe_peft.export``). The wrapped model is left as it is.
+        ``target="bi"``: the dense embedding model, made in place as PEFT's merge does: each wrapped FFN becomes its
+        bi expert (LoRA deltas merged into the projections, or the FFN copy) and ``config.is_causal`` is set to
+        False, which transformers' mask functions read, so the saved model loads with bidirectional attention.
+        ``safe_merge`` checks every merged weight for NaN/inf; all checks run before anything changes.
+        """
+        if target not in ("moe", "bi"):
+            raise ValueError(f"merge_and_unload(target={target!r}): target must be 'moe' or 'bi'.")
+        adapter = self._merge_adapter(adapter_names)
+        if target == "moe":
+            return export_moe(self.model, adapter, check_finite=safe_merge)
+        layers = [m for m in self.model.modules() if isinstance(m, UBMoELayer) and adapter in m.ubmoe_router]
+        weights = {id(layer): layer.bi_weights(adapter, check_finite=safe_merge) for layer in layers}  # all checks
+        merged = {id(layer): layer.bi_ffn(adapter, weights[id(layer)]) for layer in layers}
+        model = self._unwrap(lambda layer: merged.get(id(layer), layer.base_layer))
+        for config in {id(c): c for c in (getattr(model, "config", None), text_config(model)) if c}.values():
+            config.is_causal = False  # masking_utils: a bidirectional mask for every attention implementation
+        return model
+
+    def _merge_adapter(self, adapter_names: list[str] | None) -> str:
+        names = list(self.active_adapters) if adapter_names is None else list(adapter_names)
+        if len(names) != 1 or names[0] not in self.peft_config:
+            raise ValueError(
+                f"merge_and_unload merges exactly one UBMoE adapter; got adapter_names={adapter_names!r} with active "
+                f"adapters {list(self.active_adapters)} and loaded adapters {list(self.peft_config)}. Pass "
+                "adapter_names=[name] with one of the loaded adapters."
+            )
+        return names[0]
+
     def _unload_and_optionally_merge(
         self,
         merge: bool = True,
@@ -189,13 +230,18 @@ class UBMoEModel(BaseTuner):
     ) -> nn.Module:
         if merge:
             raise merge_unsupported()
+        return self._unwrap(lambda layer: layer.base_layer)
+
+    def _unwrap(self, replacement: Any) -> nn.Module:
+        """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer; the bare model."""
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
                 parent_name, _, child = name.rpartition(".")
-                setattr(self.model.get_submodule(parent_name) if parent_name else self.model, child, module.base_layer)
+                parent = self.model.get_submodule(parent_name) if parent_name else self.model
+                setattr(parent, child, replacement(module))
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
         return self.model

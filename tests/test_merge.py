@@ -1,0 +1,207 @@
+"""merge_and_unload: target="moe" exports a plain transformers MoE model equal to mode moe; target="bi" gives the dense
+embedding model, saved as a plain transformers model that loads bidirectional; errors leave the model untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCH_ATTNS, CONFIGS, EXPERTS, batch, perturb_adapters, tiny_model
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig, UBMoELayer
+
+
+def wrapped(arch="llama", expert="lora", attn=None):
+    model = get_peft_model(tiny_model(arch, attn), UBMoEConfig(expert_type=expert)).eval()
+    perturb_adapters(model)
+    return model
+
+
+def hidden(model, ids, mask, **kwargs):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs).hidden_states[-1]
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize(("arch", "attn"), ARCH_ATTNS)
+def test_merged_bi_model_is_mode_bi(arch, attn, expert):
+    model = wrapped(arch, expert, attn)
+    ids, mask = batch(padding="left")
+    ubmoe_peft.set_mode(model, "bi")
+    expected = hidden(model, ids, mask)  # (B, T, C)
+    merged = model.merge_and_unload(target="bi")
+    assert not any(isinstance(m, UBMoELayer) for m in merged.modules())
+    assert not any("ubmoe" in name for name, _ in merged.named_parameters())
+    assert type(merged).__module__.startswith("transformers.models.")
+    assert merged.config.is_causal is False
+    real = mask.bool()  # (B, T): padded query positions carry no meaning
+    got = hidden(merged, ids, mask)
+    # LoRA: W + scale * B A merged in fp32 rounds differently from the separate delta; a copy is the same weights
+    tol = dict(rtol=1e-4, atol=1e-5) if expert == "lora" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(got[real], expected[real], **tol)
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_merged_bi_model_saves_and_loads_bidirectional_without_ubmoe(expert, tmp_path):
+    model = wrapped("qwen2", expert)
+    ids, mask = batch(padding="right")
+    merged = model.merge_and_unload(target="bi")
+    before = hidden(merged, ids, mask)
+    merged.save_pretrained(tmp_path)
+    assert not (tmp_path / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert loaded.config.is_causal is False
+    torch.testing.assert_close(hidden(loaded, ids, mask), before, rtol=0, atol=0)
+    # bidirectional after loading: the first token's state changes with the last token
+    last = int(mask[0].nonzero().max())  # row 0's last real token
+    changed = ids.clone()
+    changed[0, last] = (changed[0, last] + 1 - 3) % (128 - 3) + 3
+    assert (hidden(loaded, changed, mask)[0, 0] - before[0, 0]).abs().max() > 1e-6
+
+
+def test_merge_bi_in_bf16_stays_close_to_mode_bi():
+    model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), UBMoEConfig()).eval()
+    perturb_adapters(model, std=0.05)
+    ids, mask = batch()
+    ubmoe_peft.set_mode(model, "bi")
+    expected = hidden(model, ids, mask).float()
+    merged = model.merge_and_unload(target="bi")
+    assert all(p.dtype == torch.bfloat16 for p in merged.parameters())
+    real = mask.bool()
+    # bf16 rounds the merged weight once (unit roundoff 2^-9 relative) where mode bi rounds the projection outputs
+    torch.testing.assert_close(hidden(merged, ids, mask).float()[real], expected[real], rtol=5e-2, atol=5e-2)
+
+
+def test_safe_merge_refuses_nan_before_changing_any_weight():
+    model = wrapped("llama", "lora")
+    last = [m for m in model.modules() if isinstance(m, UBMoELayer)][-1]
+    with torch.no_grad():
+        last.ubmoe_lora_B["default"]["down_proj"].weight[0, 0] = float("nan")
+    before = state(model)
+    with pytest.raises(ValueError, match=r"NaN/inf weights in \['down_proj'\] of layer 1"):
+        model.merge_and_unload(target="bi", safe_merge=True)
+    after = state(model)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) or before[k].isnan().any() for k in before)
+    assert sum(isinstance(m, UBMoELayer) for m in model.modules()) == 2  # still wrapped and usable
+    ids, mask = batch()
+    ubmoe_peft.set_mode(model, "uni")
+    assert torch.isfinite(hidden(model, ids, mask)).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"target": "dense"}, ValueError, r"target='dense'.*'moe' or 'bi'"),
+        ({"target": "bi", "adapter_names": ["other"]}, ValueError, r"adapter_names=\['other'\].*loaded adapters"),
+    ],
+)
+def test_merge_errors_leave_the_model_untouched(kwargs, error, match):
+    model = wrapped()
+    before = state(model)
+    with pytest.raises(error, match=match):
+        model.merge_and_unload(**kwargs)
+    after = state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+    with pytest.raises(NotImplementedError, match="merge_and_unload\\(target='bi'\\)"):
+        [m for m in model.modules() if isinstance(m, UBMoELayer)][0].merge()
+
+
+def test_merge_picks_the_active_adapter(tmp_path):
+    model = wrapped()
+    model.save_pretrained(tmp_path / "first")
+    ids, mask = batch()
+    ubmoe_peft.set_mode(model, "bi")
+    expected = hidden(model, ids, mask)
+    base = tiny_model("llama")
+    loaded = PeftModel.from_pretrained(base, tmp_path / "first", adapter_name="first")
+    loaded.add_adapter("second", UBMoEConfig())
+    loaded.set_adapter("first")
+    merged = loaded.merge_and_unload(target="bi")
+    real = mask.bool()
+    torch.testing.assert_close(hidden(merged, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-5)
+
+
+# ---- target="moe": a transformers MoE model -----------------------------------------------------------------------
+MOE_ARCHS = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM", "qwen3": "Qwen3MoeForCausalLM"}
+
+
+def logits(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+def test_exported_moe_model_is_mode_moe(arch, expert, top_k, tmp_path):
+    model = get_peft_model(tiny_model(arch), UBMoEConfig(expert_type=expert, top_k=top_k)).eval()
+    perturb_adapters(model)
+    ids, mask = batch(padding="left")
+    expected = logits(model, ids, mask)  # mode moe
+    shares = ubmoe_peft.routing_stats(model)
+    assert all(0.0 < share < 1.0 for share in shares.values())  # both experts are used
+    exported = model.merge_and_unload()  # target="moe" is the default
+    assert type(exported).__name__ == MOE_ARCHS[arch]
+    assert exported.config.num_experts_per_tok == top_k
+    assert not any("ubmoe" in name for name, _ in exported.named_parameters())
+    real = mask.bool()  # (B, T)
+    # fp32 rounding only: the fused gate/up matmul and the merged LoRA weights sum in another order
+    torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits(model, ids, mask), expected, rtol=0, atol=0)  # the wrapped model is unchanged
+
+    exported.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(loaded).__name__ == MOE_ARCHS[arch]
+    torch.testing.assert_close(logits(loaded, ids, mask), logits(exported, ids, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+def test_exported_fresh_model_is_the_base_model(arch):
+    base = tiny_model(arch)
+    reference = tiny_model(arch)
+    model = get_peft_model(base, UBMoEConfig())
+    perturb_adapters(model)
+    for layer in [m for m in model.modules() if isinstance(m, UBMoELayer)]:
+        layer.ubmoe_router["default"].weight.data.zero_()  # a fresh router: every token ties, and ties go to uni
+    exported = model.merge_and_unload(target="moe")
+    ids, mask = batch(padding=None)
+    torch.testing.assert_close(logits(exported, ids, mask), logits(reference, ids, mask), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(exported.generate(input_ids=ids, **greedy), reference.generate(input_ids=ids, **greedy))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_export_with_layers_to_transform(arch):
+    model = get_peft_model(tiny_model(arch), UBMoEConfig(layers_to_transform=[1])).eval()
+    perturb_adapters(model)
+    ids, mask = batch(padding="right")
+    expected = logits(model, ids, mask)
+    exported = model.merge_and_unload()
+    if arch == "qwen3":
+        assert exported.config.mlp_only_layers == [0]  # the untouched layer stays a dense FFN
+    real = mask.bool()
+    torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_architectures_without_a_transformers_moe_twin():
+    model = wrapped("gemma")
+    before = state(model)
+    with pytest.raises(NotImplementedError, match=r"model_type='gemma'.*target='bi'"):
+        model.merge_and_unload()
+    assert all(torch.equal(before[k], v) for k, v in state(model).items())
+
+
+def test_export_refuses_biases_mixtral_does_not_have():
+    config = CONFIGS["llama"]()
+    config.attention_bias = True  # read when the attention layers are built
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
+    with pytest.raises(ValueError, match=r"\['attention_bias'\]=True to Mixtral"):
+        model.merge_and_unload()

@@ -1,0 +1,124 @@
+"""``merge_and_unload(target="moe")``: a UBMoE model as a plain transformers MoE model with two experts per layer.
+
+transformers already has the architecture a UBMoE model is: a decoder whose FFN is a routed set of experts. Llama and
+Mistral map to Mixtral (same attention, RMSNorm and SwiGLU experts), Qwen3 to Qwen3-MoE. Expert 0 is the original FFN
+(uni), expert 1 the bi expert, the router's weight is ours, and ``num_experts_per_tok`` is our ``top_k``, so the
+exported model loads with ``AutoModelForCausalLM.from_pretrained`` alone. Writing the weights in by hand is needed
+because no library converts a dense FFN plus an adapter into fused MoE experts.
+
+What carries over exactly and what does not:
+- top-1: both routers pick the larger logit and weight the chosen expert by p / p = 1. Exact ties go to uni in
+  UBMoE but to ``torch.topk``'s choice in transformers; a layer whose router can never pick bi (equal rows, as a
+  freshly initialised router) therefore gets the uni FFN as both experts, so the exported fresh model is still the base
+  model. Other exact ties need ``x . (w_bi - w_uni) == 0`` exactly and are left alone.
+- top-2: both mix the two experts with the softmax weights (Mixtral renormalises them, a rounding-level difference).
+- transformers computes router logits in the model's dtype; UBMoE in ``router_dtype`` (fp32 by default). In a bf16
+  model the exported router is rounded to bf16, which can flip a token whose two logits are within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from .architectures import decoder_layers, linear_projections
+
+# model_type -> the transformers MoE model_type it is exported to
+MOE_EXPORTS: dict[str, str] = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}
+_DROP = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype", "torch_dtype")
+
+
+def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) -> Any:
+    from transformers import AutoConfig
+
+    unsupported = [flag for flag in ("attention_bias", "mlp_bias") if getattr(base_config, flag, False)]
+    if target == "mixtral" and unsupported:
+        raise ValueError(
+            f"Cannot export model_type={base_config.model_type!r} with {unsupported}=True to Mixtral, which has no "
+            "biases. Use merge_and_unload(target='bi') or keep the adapter separate."
+        )
+    fields = {k: v for k, v in base_config.to_dict().items() if k not in _DROP}
+    fields.update(num_experts_per_tok=top_k, output_router_logits=False)
+    if target == "mixtral":
+        fields.update(num_local_experts=2, router_jitter_noise=0.0)
+    else:  # qwen3_moe: layers without a UBMoE FFN stay dense
+        fields.update(
+            num_experts=2,
+            moe_intermediate_size=base_config.intermediate_size,
+            norm_topk_prob=top_k == 1,  # top-1: weight p / p = 1; top-2: the softmax weights as they are
+            decoder_sparse_step=1,
+            mlp_only_layers=dense_layers,
+        )
+    return AutoConfig.for_model(target, **fields)
+
+
+def _experts(uni: dict[str, torch.Tensor], bi: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Fused expert tensors in transformers' layout: gate_up_proj (2, 2I, C), down_proj (2, C, I)."""
+    missing = {"gate_proj", "up_proj", "down_proj"} - set(uni)
+    if missing:
+        raise ValueError(f"Cannot export {prefix}: a SwiGLU FFN with gate_proj, up_proj and down_proj is needed.")
+    return {
+        f"{prefix}.experts.gate_up_proj": torch.stack(
+            [torch.cat([w["gate_proj"], w["up_proj"]]) for w in (uni, bi)]
+        ),  # (2, 2I, C)
+        f"{prefix}.experts.down_proj": torch.stack([uni["down_proj"], bi["down_proj"]]),  # (2, C, I)
+    }
+
+
+def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn.Module:
+    """The transformers MoE model equal to ``model`` (a causal LM holding UBMoE layers) in mode moe."""
+    from transformers import AutoModelForCausalLM
+
+    from .tuners.ubmoe.layer import UBMoELayer
+
+    config = model.config
+    target = MOE_EXPORTS.get(config.model_type)
+    if target is None:
+        raise NotImplementedError(
+            f"merge_and_unload(target='moe') exports {sorted(MOE_EXPORTS)} models (to Mixtral / Qwen3-MoE); "
+            f"transformers has no MoE architecture matching model_type={config.model_type!r}. Keep the adapter "
+            "separate (model.save_pretrained) for generation, or use target='bi' for the embedding model."
+        )
+    layers = decoder_layers(model)
+    ffns = {i: getattr(layer, "mlp", None) for i, (_, layer) in enumerate(layers)}
+    wrapped = {i: f for i, f in ffns.items() if isinstance(f, UBMoELayer) and adapter in f.ubmoe_router}
+    if not wrapped:
+        raise ValueError(f"Cannot export: no decoder layer's 'mlp' holds a UBMoE FFN of adapter {adapter!r}.")
+    top_k = next(iter(wrapped.values())).top_k[adapter]  # one adapter, one config
+    dense = [i for i in ffns if i not in wrapped]
+    state: dict[str, torch.Tensor] = {}
+    for i, ffn in ffns.items():  # every check (quantization, finiteness, FFN shape) before building anything
+        prefix = f"{layers[i][0]}.mlp"
+        base = ffn.base_layer if i in wrapped else ffn
+        uni = {name: proj.weight.detach() for name, proj in linear_projections(base).items()}  # (out, in)
+        if i not in wrapped and target == "qwen3_moe":
+            state.update({f"{prefix}.{name}.weight": weight for name, weight in uni.items()})
+            continue
+        router = torch.zeros(2, uni["down_proj"].shape[0], dtype=uni["down_proj"].dtype)  # (2, C)
+        bi = uni
+        if i in wrapped:
+            router = ffn.ubmoe_router[adapter].weight.detach()  # (2, C)
+            if top_k == 2 or not torch.equal(router[0], router[1]):  # equal rows: bi is never picked (ties -> uni)
+                bi = ffn.bi_weights(adapter, check_finite=check_finite)
+        dtype = uni["down_proj"].dtype
+        state[f"{prefix}.gate.weight"] = router.to(dtype)
+        state.update(_experts(uni, {k: v.to(dtype) for k, v in bi.items()}, prefix))
+
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    device = next(model.parameters()).device
+    moe_config = _config(config, target, top_k, dense)
+    with torch.device(device):
+        exported = AutoModelForCausalLM.from_config(
+            moe_config, dtype=dtype, attn_implementation=config._attn_implementation
+        )
+    for key, value in model.state_dict().items():  # attention, norms, embeddings, head: same names in both
+        if ".mlp." not in key:
+            state[key] = value
+    exported.load_state_dict(state, strict=True)
+    if moe_config.tie_word_embeddings:
+        exported.tie_weights()
+    exported.generation_config = copy.deepcopy(model.generation_config)
+    return exported.eval()
