@@ -212,6 +212,37 @@ def test_top1_runs_one_ffn_per_token(expert):
     torch.testing.assert_close(out[to_bi], bi[to_bi], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("stage", [None, "router"])
+def test_host_and_device_routing_decide_alike(expert, stage, monkeypatch):
+    """Top-1 decides on the host for small inputs (decode steps) and with tensor ops otherwise: same outputs, stats and
+    router gradients, ties to uni included."""
+    from ubmoe_peft.tuners.ubmoe import layer as layer_module
+
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model)
+    first = layers(model)[0].ubmoe_router["default"].weight
+    with torch.no_grad():
+        first[1] = first[0]  # layer 0: every token ties, so every token goes to uni on both paths
+    if stage:
+        ubmoe_peft.set_stage(model, stage)
+    ids, mask = batch()
+    results = []
+    for limit in (0, 10**9):
+        monkeypatch.setattr(layer_module, "HOST_ROUTING_TOKENS", limit)
+        model.zero_grad()
+        with torch.set_grad_enabled(stage is not None):
+            out = model(input_ids=ids, attention_mask=mask).logits
+        if stage:
+            out.float().pow(2).mean().backward()
+        grads = [layer.ubmoe_router["default"].weight.grad for layer in layers(model)] if stage else []
+        results.append((out.detach(), ubmoe_peft.routing_stats(model), [g.clone() for g in grads]))
+    (out_a, stats_a, grads_a), (out_b, stats_b, grads_b) = results
+    assert torch.equal(out_a, out_b) and stats_a == stats_b and stats_a[0] == 0.0 and 0 < stats_a[1] < 1
+    for g_a, g_b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(g_a, g_b, rtol=0, atol=0)
+
+
 def test_lora_hooks_exist_only_during_a_routed_call():
     model, _ = wrap("llama", "lora")
     perturb_adapters(model)

@@ -36,6 +36,7 @@ from .config import UBMoEConfig
 from .state import ModeState
 
 _ROUTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HOST_ROUTING_TOKENS = 64  # top-1 decides on the host for at most this many tokens per forward (decode steps)
 
 
 def _module_key(name: str) -> str:
@@ -201,12 +202,22 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             bi = self._bi_expert(adapter, x)  # (B, T, C)
             return (probs[..., :1] * uni + probs[..., 1:] * bi).to(x.dtype)  # (B, T, C)
 
-        to_bi = logits[..., 1] > logits[..., 0]  # (B, T), strict: ties go to the uni expert
-        self._state.record(self.layer_idx, to_bi)
-        n_bi = int(to_bi.sum())  # one host sync per layer; it lets a layer with no routed token skip the expert
+        self._state.record(self.layer_idx, logits if not logits.requires_grad else logits.detach())
+        picks: list[bool] | None = None
+        if logits.shape[:-1].numel() <= HOST_ROUTING_TOKENS:
+            # Decode sizes: one copy of the 2N logits to the host and a comparison in Python replace the compare, sum
+            # and sync kernels. After a layer's weights have streamed through the caches every small kernel costs
+            # ~20 us on CPU, more than the work it does (docs/performance.md). Same strict rule: ties go to uni.
+            picks = [bi > uni for row in logits.tolist() for uni, bi in row]
+            n_bi = sum(picks)
+        else:
+            to_bi = logits[..., 1] > logits[..., 0]  # (B, T), strict: ties go to the uni expert
+            n_bi = int(to_bi.sum())  # one host sync per layer; it lets a layer with no routed token skip the expert
+        if picks is not None and (0 < n_bi < len(picks) or torch.is_grad_enabled()):
+            to_bi = torch.tensor(picks, device=x.device).view(logits.shape[:-1])  # (B, T)
         if n_bi == 0:
             out = self.base_layer(x)  # (B, T, C)
-        elif n_bi == to_bi.numel():
+        elif n_bi == logits.shape[:-1].numel():
             out = self._bi_expert(adapter, x)  # (B, T, C)
         elif self.expert_type[adapter] == "lora":  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
             out = self._lora_ffn(adapter, x, to_bi.reshape(-1, 1) * self.scaling[adapter])  # (B, T, C)

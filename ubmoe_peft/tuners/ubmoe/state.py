@@ -30,7 +30,7 @@ class ModeState:
         self.mode = "moe"
         self.adapters_enabled = True
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
-        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> (B, T) bi weight, last moe forward
+        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
         self.routing_mask: torch.Tensor | None = None  # token_mask of that forward
 
     @property
@@ -44,7 +44,7 @@ class ModeState:
             self.routing_mask = self.token_mask
 
     def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
-        """Keep a layer's routing, ``bi_weight`` (B, T) without a graph: 0/1 (top-1) or the soft bi weight (top-2).
+        """Keep a layer's routing without a graph: top-1 router logits (B, T, 2) or the top-2 bi weight (B, T).
 
         Only a reference is kept; the share is computed when asked for (`shares`), because reducing it here, in every
         layer at every decode step, cost more than the router itself.
@@ -58,8 +58,8 @@ class ModeState:
         if not self.routing:
             return None
         result = {}
-        for layer_idx, bi_weight in sorted(self.routing.items()):
-            weight = bi_weight.float()  # (B, T)
+        for layer_idx, routed in sorted(self.routing.items()):
+            weight = (routed[..., 1] > routed[..., 0] if routed.dim() == 3 else routed).float()  # (B, T)
             mask = self.routing_mask
             if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
                 real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
