@@ -36,6 +36,7 @@ from common import (
     ratio_stats,
     row,
     set_share,
+    sync,
     token_batch,
     wrap,
 )
@@ -62,17 +63,19 @@ def decode_share(model: nn.Module, generate: Any) -> float:
 class Lockstep:
     """Runs several ``generate`` calls one step at a time in turn (see the module docstring); times each one's turns."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.names, self.cond = names, threading.Condition()
+    def __init__(self, names: list[str], device: str = "cpu") -> None:
+        self.names, self.cond, self.device = names, threading.Condition(), device
         self.turn, self.done = 0, set()
         self.seconds = dict.fromkeys(names, 0.0)
         self.started = 0.0
 
     def _wait(self, name: str) -> None:  # called holding the lock
         self.cond.wait_for(lambda: self.names[self.turn] == name)
+        sync(self.device)  # on a GPU: the previous turn's kernels are done before this turn's clock starts
         self.started = time.perf_counter()
 
     def _pass(self, name: str) -> None:  # called holding the lock, at the end of this model's turn
+        sync(self.device)
         self.seconds[name] += time.perf_counter() - self.started
         if len(self.done) == len(self.names):
             return
@@ -119,12 +122,12 @@ class Lockstep:
         return self.seconds
 
 
-def lockstep_times(calls: dict[str, Any], warmup: int, repeats: int) -> list[Case]:
+def lockstep_times(calls: dict[str, Any], warmup: int, repeats: int, device: str = "cpu") -> list[Case]:
     cases = {name: Case(name, lambda: None) for name in calls}
     for round_idx in range(warmup + repeats):
         names = list(calls)
         shift = round_idx % len(names)  # rotate which model takes the first turn
-        seconds = Lockstep(names[shift:] + names[:shift]).run(calls)
+        seconds = Lockstep(names[shift:] + names[:shift], device).run(calls)
         if round_idx >= warmup:
             for name, value in seconds.items():
                 cases[name].times.append(value)
@@ -170,7 +173,7 @@ def main() -> None:
 
         shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k != "base"}
         calls = {kind: lambda criteria, m=model: generate(m, criteria) for kind, model in models.items()}
-        timings = {"": lockstep_times(calls, args.warmup, args.repeats)}
+        timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:
             whole = [Case(kind, lambda m=model: generate(m)) for kind, model in models.items()]
             timings[", whole calls"] = paired_times(whole, 1, args.whole_repeats, args.device)

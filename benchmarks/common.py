@@ -174,7 +174,7 @@ class Case:
     times: list[float] = field(default_factory=list)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -186,10 +186,10 @@ def paired_times(cases: list[Case], warmup: int, repeats: int, device: str = "cp
         for case in cases[shift:] + cases[:shift]:
             if case.setup is not None:
                 case.setup()
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             case.run()
-            _sync(device)
+            sync(device)
             if round_idx >= warmup:
                 case.times.append(time.perf_counter() - start)
     return cases

@@ -36,7 +36,7 @@ step prefill_8x256 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 -
 step prefill_8x2048 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 --seq 2048 --warmup 3 --repeats 10 \
     --peak-tflops "$PEAK" --out "$DEST/prefill_8x2048.json"
 # Question 2: greedy decode with KV cache, 128 new tokens, batch 1 and 8.
-step decode 150 "$PY" benchmarks/bench_decode.py "${GPU[@]}" --warmup 1 --repeats 4 --out "$DEST/decode.json"
+step decode 150 "$PY" benchmarks/bench_decode.py "${GPU[@]}" --warmup 1 --repeats 4 --whole-repeats 0 --out "$DEST/decode.json"
 if [ -f benchmarks/gpu_qlora.py ]; then
     step qlora 90 "$PY" benchmarks/gpu_qlora.py --out "$DEST/qlora.json"
 else
