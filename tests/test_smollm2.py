@@ -63,3 +63,49 @@ def test_smollm2_wrapped_generates_like_the_base_and_saves_small(smollm2, tmp_pa
         ubmoe_peft.set_mode(loaded, mode)
         with torch.no_grad():
             assert torch.equal(loaded(**ids).logits, expected[mode]), mode
+    loaded.unload()  # hand the module's model back unwrapped
+
+
+def test_smollm2_exports_to_mixtral_and_merges_to_a_bidirectional_model(smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base, tokenizer, state = smollm2
+    assert not any(isinstance(m, ubmoe_peft.UBMoELayer) for m in base.modules())
+    base.load_state_dict(state)
+    base_tokens, base_text = _answer(base, tokenizer)
+    model = get_peft_model(base, UBMoEConfig(expert_type="lora")).eval()
+
+    # a fresh adapter exports to the base model: same greedy answer from a plain Mixtral
+    exported = model.merge_and_unload()
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    tokens, text = _answer(exported, tokenizer)
+    assert "Paris" in text and torch.equal(tokens, base_tokens)
+    del exported
+
+    # with experts and routers that route part of the tokens to bi, the export still decodes as mode moe does
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ubmoe_lora_B" in name or "ubmoe_router" in name:
+                param.normal_(std=0.02, generator=torch.Generator().manual_seed(len(name)))
+    wrapped_tokens, _ = _answer(model, tokenizer)
+    shares = ubmoe_peft.routing_stats(model)
+    assert 0.0 < sum(shares.values()) / len(shares) < 1.0
+    exported = model.merge_and_unload(target="moe")
+    exported.save_pretrained(tmp_path / "moe")
+    del exported
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", dtype=torch.float32).eval()
+    assert torch.equal(_answer(reloaded, tokenizer)[0], wrapped_tokens)
+    del reloaded
+
+    # the dense embedding model: mode-bi hidden states, and a saved config that loads bidirectional
+    ids = tokenizer(["A man plays a guitar.", "Paris is the capital"], return_tensors="pt", padding=True)
+    ubmoe_peft.set_mode(model, "bi")
+    with torch.no_grad():
+        expected = model(**ids, output_hidden_states=True).hidden_states[-1]
+    merged = model.merge_and_unload(target="bi")
+    merged.save_pretrained(tmp_path / "bi")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bi", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = loaded(**ids, output_hidden_states=True).hidden_states[-1]
+    real = ids["attention_mask"].bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
