@@ -108,4 +108,7 @@ def test_smollm2_exports_to_mixtral_and_merges_to_a_bidirectional_model(smollm2,
     with torch.no_grad():
         got = loaded(**ids, output_hidden_states=True).hidden_states[-1]
     real = ids["attention_mask"].bool()
-    torch.testing.assert_close(got[real], expected[real], rtol=1e-4, atol=1e-4)
+    # W + scale * B A rounded once per weight, then 30 layers deep: judge the error relative to the whole state
+    # (a single element may move by ~1e-3 relative; a wrong merge moves the states by far more than 1e-4 overall)
+    error = (got[real] - expected[real]).norm() / expected[real].norm()
+    assert error < 1e-4, error
