@@ -205,3 +205,19 @@ def test_export_refuses_biases_mixtral_does_not_have():
     model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
     with pytest.raises(ValueError, match=r"\['attention_bias'\]=True to Mixtral"):
         model.merge_and_unload()
+
+
+@pytest.mark.parametrize("target", ["unload", "bi", "moe"])
+def test_modules_to_save_carry_over(target):
+    """A trained lm_head (modules_to_save) is part of what unload, the bi merge and the export return, as in PEFT."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(modules_to_save=["lm_head"])).eval()
+    perturb_adapters(model)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-2.0)
+    ids, mask = batch(padding="left")
+    ubmoe_peft.set_mode(model, {"unload": "uni"}.get(target, target))
+    expected = logits(model, ids, mask)
+    out = model.unload() if target == "unload" else model.merge_and_unload(target=target)
+    assert type(out.lm_head) is torch.nn.Linear
+    real = mask.bool()
+    torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)

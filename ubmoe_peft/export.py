@@ -114,9 +114,13 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         exported = AutoModelForCausalLM.from_config(
             moe_config, dtype=dtype, attn_implementation=config._attn_implementation
         )
+    wrappers = {n: m for n, m in model.named_modules() if hasattr(m, "unload_and_optionally_merge_module")}
     for key, value in model.state_dict().items():  # attention, norms, embeddings, head: same names in both
-        if ".mlp." not in key:
+        if ".mlp." not in key and not any(key.startswith(f"{name}.") for name in wrappers):
             state[key] = value
+    for name, wrapper in wrappers.items():  # PEFT's modules_to_save: the trained module, as PEFT's unload gives it
+        module = wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+        state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
     exported.load_state_dict(state, strict=True)
     if moe_config.tie_word_embeddings:
         exported.tie_weights()

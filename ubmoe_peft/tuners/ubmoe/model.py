@@ -233,15 +233,21 @@ class UBMoEModel(BaseTuner):
         return self._unwrap(lambda layer: layer.base_layer)
 
     def _unwrap(self, replacement: Any) -> nn.Module:
-        """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer; the bare model."""
+        """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer, and the trained module in
+        place of every ``modules_to_save`` wrapper (as PEFT's unload does); the bare model."""
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
-                parent_name, _, child = name.rpartition(".")
-                parent = self.model.get_submodule(parent_name) if parent_name else self.model
-                setattr(parent, child, replacement(module))
+                new = replacement(module)
+            elif hasattr(module, "unload_and_optionally_merge_module"):  # PEFT's modules_to_save wrapper
+                new = module.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+            else:
+                continue
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            setattr(parent, child, new)
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
         return self.model
