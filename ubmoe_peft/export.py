@@ -97,15 +97,15 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         if i not in wrapped and target == "qwen3_moe":
             state.update({f"{prefix}.{name}.weight": weight for name, weight in uni.items()})
             continue
-        router = torch.zeros(2, uni["down_proj"].shape[0], dtype=uni["down_proj"].dtype)  # (2, C)
+        down = uni["down_proj"]  # (C, I)
+        router = torch.zeros(2, down.shape[0], dtype=down.dtype, device=down.device)  # (2, C): never routes to bi
         bi = uni
         if i in wrapped:
             router = ffn.ubmoe_router[adapter].weight.detach()  # (2, C)
             if top_k == 2 or not torch.equal(router[0], router[1]):  # equal rows: bi is never picked (ties -> uni)
                 bi = ffn.bi_weights(adapter, check_finite=check_finite)
-        dtype = uni["down_proj"].dtype
-        state[f"{prefix}.gate.weight"] = router.to(dtype)
-        state.update(_experts(uni, {k: v.to(dtype) for k, v in bi.items()}, prefix))
+        state[f"{prefix}.gate.weight"] = router.to(down.dtype)
+        state.update(_experts(uni, {k: v.to(down.dtype) for k, v in bi.items()}, prefix))
 
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     device = next(model.parameters()).device

@@ -44,6 +44,11 @@ def _module_key(name: str) -> str:
     return name.replace(".", "__")
 
 
+def _module_name(key: str) -> str:
+    """The projection's dotted name in the FFN from its ModuleDict key (the inverse of ``_module_key``)."""
+    return key.replace("__", ".")
+
+
 def _lora_delta(
     layer: UBMoELayer, adapter: str, key: str, scale: float | torch.Tensor, module: nn.Module, args: tuple, out: Any
 ) -> torch.Tensor:
@@ -172,7 +177,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         uni, a token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
         handles = [
-            self.base_layer.get_submodule(key.replace("__", ".")).register_forward_hook(
+            self.base_layer.get_submodule(_module_name(key)).register_forward_hook(
                 functools.partial(_lora_delta, self, adapter, key, scale)
             )
             for key in self.ubmoe_lora_A[adapter]
@@ -260,7 +265,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         weights = {name: proj.weight.detach() for name, proj in linear_projections(source).items()}  # (out, in)
         lora_a = self.ubmoe_lora_A[adapter] if adapter in self.ubmoe_lora_A else {}
         for key, a in lora_a.items():
-            name = key.replace("__", ".")
+            name = _module_name(key)
             delta = (self.ubmoe_lora_B[adapter][key].weight @ a.weight).float() * self.scaling[adapter]  # (out, in)
             weights[name] = (weights[name].float() + delta).to(weights[name].dtype)  # (out, in)
         if check_finite:
@@ -279,7 +284,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             return self.ubmoe_copy[adapter].requires_grad_(False)
         with torch.no_grad():
             for key in self.ubmoe_lora_A[adapter]:
-                name = key.replace("__", ".")
+                name = _module_name(key)
                 self.base_layer.get_submodule(name).weight.copy_(weights[name])
         return self.base_layer
 
