@@ -11,16 +11,27 @@ from .tuners.ubmoe import UBMoEConfig, UBMoELayer, UBMoEModel
 __version__ = "0.1.0"
 
 
+_TRAINERS = ("ContrastiveConfig", "ContrastiveTrainer", "RouterConfig", "RouterTrainer")
+
+
 def __getattr__(name: str):
-    # sentence-transformers is an optional extra: import the wrapper only when it is asked for
+    # sentence-transformers and TRL are an optional extra: import them only when asked for
     if name == "to_sentence_transformer":
         from .embedding import to_sentence_transformer
 
         return to_sentence_transformer
+    if name in _TRAINERS:
+        from . import trainers
+
+        return getattr(trainers, name)
     raise AttributeError(f"module 'ubmoe_peft' has no attribute {name!r}")
 
 
 __all__ = [
+    "ContrastiveConfig",
+    "ContrastiveTrainer",
+    "RouterConfig",
+    "RouterTrainer",
     "DependenceResult",
     "UBMoEConfig",
     "UBMoELayer",

@@ -1,0 +1,147 @@
+"""The stage trainers: each trains exactly its stage's parameters, logs its metrics, and saves a loadable adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batch, tiny_model, w
+from datasets import Dataset
+from peft import PeftModel, get_peft_model
+
+import ubmoe_peft
+from ubmoe_peft import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer, UBMoEConfig
+
+QUIET = dict(report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
+
+
+def _pairs(n: int = 40) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "anchor": [w(i, i + 1, i + 2) for i in range(3, 3 + n)],
+            "positive": [w(i + 1, i + 2, i + 5) for i in range(3, 3 + n)],
+            "negative": [w(i + 40, i + 7) for i in range(3, 3 + n)],
+        }
+    )
+
+
+def _texts(n: int = 40) -> Dataset:
+    return Dataset.from_dict({"text": [w(*range(i, i + 12)) for i in range(3, 3 + n)]})
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _changed(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> set[str]:
+    return {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+
+
+@pytest.mark.parametrize("expert", ["lora", "copy"])
+def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, expert):
+    model = get_peft_model(tiny_model(), UBMoEConfig(expert_type=expert))
+    before = _snapshot(model)
+    args = ContrastiveConfig(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, prompt=w(20) + " {text}", **QUIET
+    )
+    trainer = ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs())
+    trainer.train()
+
+    changed = _changed(model, before)
+    experts = {n for n in before if ".ubmoe_lora_" in n or ".ubmoe_copy." in n}
+    assert experts and changed == experts  # every expert parameter moved; router and base did not
+    assert ubmoe_peft.get_mode(model) == "bi"
+    assert trainer.sentence_transformer[0].prompt == w(20) + " {text}"
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
+
+
+@pytest.mark.parametrize("expert", ["lora", "copy"])
+def test_router_trainer_trains_only_the_routers_and_logs_bi_share(tokenizer, tmp_path, expert):
+    model = get_peft_model(tiny_model(), UBMoEConfig(expert_type=expert))
+    before = _snapshot(model)
+    args = RouterConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, max_length=32, **QUIET)
+    trainer = RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)
+    trainer.train()
+
+    changed = _changed(model, before)
+    assert changed == {n for n in before if ".ubmoe_router." in n}
+    assert ubmoe_peft.get_mode(model) == "moe"
+    shares = [h["bi_share"] for h in trainer.state.log_history if "bi_share" in h]
+    assert len(shares) == 3
+    assert shares[0] == 0.0  # the first step runs the untouched (all-uni) routers
+    assert all(0.0 <= s <= 1.0 for s in shares)
+    assert ubmoe_peft.routing_stats(model)  # the last step's per-layer shares are there too
+
+
+def test_router_trainer_save_model_reloads_the_trained_routers(tokenizer, tmp_path):
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    args = RouterConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, max_length=32, **QUIET)
+    trainer = RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+
+    loaded = PeftModel.from_pretrained(tiny_model(), str(tmp_path / "final")).eval()
+    model.eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        for mode in ("moe", "bi"):
+            with ubmoe_peft.use_mode(model, mode), ubmoe_peft.use_mode(loaded, mode):
+                expected = model(input_ids=ids, attention_mask=mask).logits
+                torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits, expected)
+    assert ubmoe_peft.routing_stats(loaded) == ubmoe_peft.routing_stats(model)
+
+
+def test_contrastive_trainer_saves_the_adapter(tokenizer, tmp_path):
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    args = ContrastiveConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, **QUIET)
+    trainer = ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs())
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+
+    loaded = PeftModel.from_pretrained(tiny_model(), str(tmp_path / "final" / "ubmoe_adapter")).eval()
+    model.eval()
+    ids, mask = batch()
+    with torch.no_grad(), ubmoe_peft.use_mode(model, "bi"), ubmoe_peft.use_mode(loaded, "bi"):
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits, expected)
+
+
+def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):
+    plain = tiny_model()
+    with pytest.raises(ValueError, match="LlamaForCausalLM, which has no UBMoE layers"):
+        ContrastiveTrainer(plain, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="LlamaForCausalLM, which has no UBMoE layers"):
+        RouterTrainer(plain, args=RouterConfig(output_dir=str(tmp_path)))
+
+
+def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp_path):
+    from peft import LoraConfig
+    from trl import SFTConfig
+
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    with pytest.raises(ValueError, match="Drop peft_config"):
+        RouterTrainer(model, args=RouterConfig(output_dir=str(tmp_path)), peft_config=LoraConfig())
+    with pytest.raises(TypeError, match="SFTConfig; pass a ubmoe_peft.RouterConfig"):
+        RouterTrainer(model, args=SFTConfig(output_dir=str(tmp_path), bf16=False))
+    with pytest.raises(TypeError, match="RouterConfig; pass a ubmoe_peft.ContrastiveConfig"):
+        ContrastiveTrainer(model, tokenizer, args=RouterConfig(output_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt="{text} and {text}"), "more than one"),
+        (dict(max_length=0), "must both be positive"),
+        (dict(scale=-1.0), "must both be positive"),
+    ],
+)
+def test_contrastive_config_rejects_bad_values(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ContrastiveConfig(output_dir=str(tmp_path), **kwargs)
+
+
+def test_config_defaults_are_the_papers_and_run_on_cpu(tmp_path):
+    stage1 = ContrastiveConfig(output_dir=str(tmp_path))
+    assert (stage1.learning_rate, stage1.per_device_train_batch_size, stage1.scale) == (3e-4, 64, 20.0)
+    assert stage1.prompt == 'The representative word for sentence {text} is:"'
+    stage2 = RouterConfig(output_dir=str(tmp_path))  # TRL's own default (bf16 on) fails on a CPU-only machine
+    assert stage2.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())

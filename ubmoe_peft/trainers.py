@@ -1,0 +1,175 @@
+"""The two training stages as the field's trainers: stage 1 on sentence-transformers, stage 2 on TRL.
+
+- `ContrastiveTrainer` (stage 1) is a `SentenceTransformerTrainer`: it wraps the UBMoE model with
+  `to_sentence_transformer` (mode bi) and trains only the bidirectional experts with in-batch-negatives contrastive
+  loss (`MultipleNegativesRankingLoss`, the paper's scale 20), batches without duplicate texts.
+- `RouterTrainer` (stage 2) is TRL's `SFTTrainer`: mode moe, only the routers train, and the share of tokens sent to
+  the bidirectional expert is logged as ``bi_share`` beside TRL's own metrics.
+
+Each has a config dataclass on its library's `TrainingArguments` whose defaults are the paper's where it gives them.
+Nothing here is a training loop of our own: the trainers only put the model in its stage and add our metric.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modes import routing_stats, set_stage, ubmoe_layers
+
+try:
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.base.sampler import BatchSamplers
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from trl import SFTConfig, SFTTrainer
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "The UBMoE trainers need sentence-transformers, TRL and datasets: install them with "
+        "`pip install ubmoe-peft[train]`."
+    ) from err
+
+PAPER_PROMPT = 'The representative word for sentence {text} is:"'
+
+
+def _require_ubmoe(model: Any, trainer: str) -> None:
+    if not isinstance(model, nn.Module) or not ubmoe_layers(model):
+        raise ValueError(
+            f"{trainer} got {type(model).__name__}, which has no UBMoE layers: pass the wrapped model, "
+            "peft.get_peft_model(base, UBMoEConfig()) or PeftModel.from_pretrained(base, adapter_dir)."
+        )
+
+
+@dataclass
+class ContrastiveConfig(SentenceTransformerTrainingArguments):
+    """Stage 1 (contrastive) settings: sentence-transformers' training arguments plus how texts are embedded."""
+
+    prompt: str | None = field(
+        default=PAPER_PROMPT,
+        metadata={
+            "help": "Template each text is embedded in; '{text}' marks where the text goes (else it is appended). "
+            "None embeds the bare text. Default: the paper's prompt."
+        },
+    )
+    pooling: str = field(
+        default="mean", metadata={"help": "sentence-transformers pooling mode: 'mean' (the paper), 'lasttoken'..."}
+    )
+    max_length: int = field(default=128, metadata={"help": "Longest tokenized text (prompt included) in tokens."})
+    scale: float = field(
+        default=20.0, metadata={"help": "Inverse temperature of the in-batch-negatives loss (the paper: 20)."}
+    )
+    learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate (the paper: 3e-4)."})
+    per_device_train_batch_size: int = field(
+        default=64, metadata={"help": "Pairs per batch; each pair's negatives are the batch's other texts."}
+    )
+    batch_sampler: BatchSamplers | str = field(
+        default=BatchSamplers.NO_DUPLICATES,
+        metadata={"help": "Default 'no_duplicates': a repeated text in a batch would be a false negative."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None and self.prompt.count("{text}") > 1:
+            raise ValueError(f"prompt={self.prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+        if self.max_length < 1 or self.scale <= 0:
+            raise ValueError(
+                f"max_length={self.max_length} and scale={self.scale} must both be positive "
+                "(max_length in tokens, scale the loss's inverse temperature, e.g. 128 and 20)."
+            )
+        super().__post_init__()
+
+
+class ContrastiveTrainer(SentenceTransformerTrainer):
+    """Stage 1: trains the bidirectional experts of ``model`` in mode bi with in-batch-negatives contrastive loss.
+
+    ``train_dataset`` is a `datasets.Dataset` of text columns (anchor, positive[, hard negative], in that order), as
+    for any sentence-transformers loss. ``self.sentence_transformer`` is the embedding model being trained; it shares
+    ``model``'s parameters, so after `train()` the PEFT model holds the trained experts.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        args: ContrastiveConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        loss: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from .embedding import to_sentence_transformer
+
+        _require_ubmoe(model, "ContrastiveTrainer")
+        args = args or ContrastiveConfig(output_dir="ubmoe-contrastive")
+        if not isinstance(args, ContrastiveConfig):
+            raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
+        set_stage(model, "contrastive")
+        self.peft_model = model
+        self.sentence_transformer = to_sentence_transformer(
+            model, tokenizer, pooling=args.pooling, prompt=args.prompt, max_length=args.max_length
+        )
+        loss = loss if loss is not None else MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
+        super().__init__(
+            model=self.sentence_transformer,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            loss=loss,
+            **kwargs,
+        )
+
+
+@dataclass
+class RouterConfig(SFTConfig):
+    """Stage 2 (router) settings: TRL's SFT configuration with router-sized defaults."""
+
+    learning_rate: float = field(
+        default=1e-3,
+        metadata={
+            "help": "Peak learning rate. Higher than TRL's 2e-5: only the routers train (2 x hidden size weights per "
+            "layer, starting from zero), so each step moves few parameters."
+        },
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Default (None): on when a CUDA device supports bf16 and fp16 is off, "
+            "else off. (TRL turns it on everywhere, which fails on a CPU-only machine unless use_cpu is set.)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        super().__post_init__()
+
+
+class RouterTrainer(SFTTrainer):
+    """Stage 2: trains only the routers of ``model`` by SFT in mode moe (top-1 routing keeps the base model's cost).
+
+    Takes what `SFTTrainer` takes (chat ``messages``, prompt/completion or ``text`` datasets) except ``peft_config``:
+    the model is already a UBMoE model. Logs ``bi_share``, the mean share of tokens routed to the bidirectional
+    expert over the layers, averaged over the logging interval.
+    """
+
+    def __init__(self, model: nn.Module, args: RouterConfig | None = None, **kwargs: Any) -> None:
+        _require_ubmoe(model, "RouterTrainer")
+        if kwargs.get("peft_config") is not None:
+            raise ValueError(
+                "RouterTrainer trains the routers of an existing UBMoE model; peft_config would wrap it in a second "
+                "adapter. Drop peft_config (wrap the base with get_peft_model(base, UBMoEConfig()) beforehand)."
+            )
+        args = args or RouterConfig(output_dir="ubmoe-router")
+        if not isinstance(args, RouterConfig):
+            raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.RouterConfig.")
+        set_stage(model, "router")
+        super().__init__(model=model, args=args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        shares = routing_stats(self.model)
+        if shares:
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["bi_share"].append(sum(shares.values()) / len(shares))
+        return result
