@@ -112,3 +112,30 @@ def test_smollm2_exports_to_mixtral_and_merges_to_a_bidirectional_model(smollm2,
     # (a single element may move by ~1e-3 relative; a wrong merge moves the states by far more than 1e-4 overall)
     error = (got[real] - expected[real]).norm() / expected[real].norm()
     assert error < 1e-4, error
+
+
+def test_ubmoe_demo_runs_the_whole_method_and_writes_its_report(tmp_path):
+    import json
+
+    from ubmoe_peft.cli import main
+
+    out = tmp_path / "demo"
+    small = ["--contrastive_steps", "2", "--contrastive_batch_size", "8", "--router_steps", "2"]
+    small += ["--router_batch_size", "4", "--held_out_chats", "8", "--dependence_texts", "6"]
+    main(["demo", "--output_dir", str(out), *small])
+    assert {p.name for p in out.iterdir()} >= {"report.md", "report.json", "training.png", "dependence.png", "adapter"}
+    report = json.loads((out / "report.json").read_text())
+    assert "Paris" in report["answers"]["uni (base model)"]
+    assert len(report["losses"]["contrastive"]) == 2 and len(report["losses"]["router"]) == 2
+    assert report["bi_share"][0] == 0.0  # stage 2 starts from the base model's routing
+    before, after = report["before"], report["after"]
+    assert before["dependence"]["uni"]["subsequent"] == pytest.approx(0, abs=1e-6)
+    assert before["dependence"]["bi"]["subsequent"] > 10 and after["dependence"]["moe"]["subsequent"] < 1e-6
+    assert all(-100 <= v <= 100 for v in [*before["sts"].values(), *after["sts"].values()])
+    assert 1 < after["lm"]["moe"]["perplexity"] < 100 and len(after["routing"]) == 30
+    markdown = (out / "report.md").read_text()
+    assert f"| uni (base) | {before['dependence']['uni']['preceding']:.1f} |" in markdown
+    assert "![training](training.png)" in markdown
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "UBMOE"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .modes import ubmoe_layers, use_mode
+from .tuners.ubmoe.state import MODES
 
 try:
     from sentence_transformers import SentenceTransformer
@@ -33,14 +34,19 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 
 class UBMoEEncoder(InputModule):
-    """Tokenizes (optionally inside a ``{text}`` template) and returns mode-bi token embeddings."""
+    """Tokenizes (optionally inside a ``{text}`` template) and returns token embeddings in ``mode`` (bi)."""
 
-    config_keys = ["prompt", "max_length"]
+    config_keys = ["prompt", "max_length", "mode"]
 
-    def __init__(self, model: nn.Module, tokenizer: Any, prompt: str | None = None, max_length: int = 512) -> None:
+    def __init__(
+        self, model: nn.Module, tokenizer: Any, prompt: str | None = None, max_length: int = 512, mode: str = "bi"
+    ) -> None:
         super().__init__()
         if prompt is not None and prompt.count("{text}") > 1:
             raise ValueError(f"prompt={prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+        if mode not in MODES:
+            raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)} ('bi' for embeddings).")
+        self.mode = mode
         self.model = model  # registered as a child: ST training updates the expert parameters in place
         self.tokenizer = tokenizer
         self.prompt = prompt
@@ -60,7 +66,7 @@ class UBMoEEncoder(InputModule):
         )
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        with use_mode(self.model, "bi"):
+        with use_mode(self.model, self.mode):
             out = _backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
         features["token_embeddings"] = out.last_hidden_state  # (B, T, C)
         return features
@@ -88,18 +94,20 @@ def to_sentence_transformer(
     pooling: str = "mean",
     prompt: str | None = None,
     max_length: int = 512,
+    mode: str = "bi",
 ) -> SentenceTransformer:
     """A SentenceTransformer sharing ``model``'s parameters that always embeds in mode ``"bi"``.
 
     ``prompt`` is prepended, or, when it contains ``{text}``, the text is put in its place (the paper's
     ``'The representative word for sentence {text} is:"'``). ``pooling`` is any sentence-transformers pooling mode
-    ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt.
+    ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt. ``mode`` is for comparisons
+    only: "uni" embeds with the base model (causal attention), as a baseline.
     """
     if not ubmoe_layers(model):
         raise ValueError(
             f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig())."
         )
-    encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length)
+    encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length, mode=mode)
     pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)
     device = next(model.parameters()).device
     return SentenceTransformer(modules=[encoder, pool], device=str(device))

@@ -91,6 +91,31 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, write)
 
 
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike):
+    """Yield a temp folder beside ``path`` to fill; on success it is renamed to ``path``, on failure removed.
+
+    ``path`` must not exist yet (or be empty): an export never mixes its files with an older one's.
+    """
+    import shutil
+
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(f"{path} already exists and is not an empty folder; choose a new output folder.")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    try:
+        yield tmp
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty, checked above
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(parent)
+
+
 # ---- reading ------------------------------------------------------------------------------------------------------
 def read_json_config(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON object in ``path``; a missing, unreadable or non-object file raises `AdapterFileError`."""

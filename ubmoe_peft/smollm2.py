@@ -33,12 +33,17 @@ def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = 
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=GGUF_FILE, dtype=dtype, attn_implementation=attn_implementation
     )
-    # Dequantized on load, the weights are ordinary tensors; without these markers save_pretrained works.
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    if hasattr(model.config, "_pre_quantization_dtype"):
-        del model.config._pre_quantization_dtype
+    clear_gguf_markers(model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def clear_gguf_markers(model) -> None:
+    """Dequantized on load, a GGUF model's weights are ordinary tensors; without these markers save_pretrained works."""
+    model.hf_quantizer = None
+    model.is_quantized = False  # else transformers' Trainer refuses to fine-tune it
+    model.config.quantization_config = None
+    if hasattr(model.config, "_pre_quantization_dtype"):
+        del model.config._pre_quantization_dtype

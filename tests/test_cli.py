@@ -1,0 +1,147 @@
+"""The `ubmoe` command line, end to end on a tiny saved model: train both stages, evaluate, measure, export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORDS, batch, perturb_adapters, tiny_model, w
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig
+from ubmoe_peft.cli import main
+
+FAST = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
+
+
+@pytest.fixture
+def files(tmp_path, tokenizer):
+    """A tiny Llama saved as a transformers folder, and data files in the formats the CLI reads."""
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    triplets = tmp_path / "triplets.jsonl"
+    triplets.write_text(
+        "".join(
+            json.dumps({"anchor": w(i, i + 1, i + 2), "positive": w(i + 1, i + 2), "negative": w(i + 50)}) + "\n"
+            for i in range(3, 35)
+        )
+    )
+    sts = tmp_path / "sts.tsv"
+    rows = [f"{w(i, i + 1)}\t{w(i + 1, i + 2, i + 7)}\t{(i % 6) * 0.9:.1f}" for i in range(3, 23)]
+    sts.write_text("sentence1\tsentence2\tscore\n" + "\n".join(rows) + "\n")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(w(*range(i, i + 10)) for i in range(3, 40)) + "\n")
+    choice = tmp_path / "mc.jsonl"
+    choice.write_text(
+        "".join(
+            json.dumps({"question": w(i, i + 1), "choices": [w(i + 2), w(i + 9, i + 3)], "label": i % 2}) + "\n"
+            for i in range(3, 13)
+        )
+    )
+    return {"model": str(model_dir), "triplets": str(triplets), "sts": str(sts), "texts": str(texts), "mc": str(choice)}
+
+
+def test_usage_lists_every_command(capsys):
+    main([])
+    usage = capsys.readouterr().out
+    for command in ("demo", "train-contrastive", "train-router", "eval-sts", "eval-lm", "dependence", "export"):
+        assert f"  {command} " in usage
+
+
+def test_unknown_command_names_it_and_the_commands():
+    with pytest.raises(SystemExit, match="(?s)unknown command 'trian-router'.*train-router"):
+        main(["trian-router"])
+
+
+def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
+    model = ["--model", files["model"], "--device", "cpu"]
+    stage1, stage2 = str(tmp_path / "stage1"), str(tmp_path / "stage2")
+    main(["train-contrastive", *model, "--data", files["triplets"], "--output_dir", stage1, "--max_steps", "2"]
+         + ["--per_device_train_batch_size", "8", "--prompt", "none", "--expert_type", "copy", *FAST])  # fmt: skip
+    main(["train-router", *model, "--adapter", stage1, "--data", files["texts"], "--output_dir", stage2]
+         + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
+
+    base = AutoModelForCausalLM.from_pretrained(files["model"]).eval()
+    trained = PeftModel.from_pretrained(base, stage2).eval()
+    assert trained.peft_config["default"].expert_type == "copy"
+    first = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(files["model"]), stage1)
+    routers = {n: p for n, p in trained.named_parameters() if ".ubmoe_router." in n}
+    assert all(torch.equal(p, dict(first.named_parameters())[n]) for n, p in trained.named_parameters()
+               if ".ubmoe_copy." in n)  # stage 2 kept the experts  # fmt: skip
+    assert any(p.abs().sum() > 0 for p in routers.values())  # and trained the routers (they start at zero)
+
+    sts = main(["eval-sts", *model, "--adapter", stage2, "--data", files["sts"], "--prompt", "none"]
+               + ["--output", str(tmp_path / "sts.json")])  # fmt: skip
+    assert set(sts) == {"uni", "bi"} and all(-100 <= r["spearman"] <= 100 for r in sts.values())
+    assert json.loads((tmp_path / "sts.json").read_text()) == sts
+
+    lm = main(["eval-lm", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "6"])
+    assert set(lm) == {"uni", "moe"} and lm["uni"]["tokens"] == 6 * 9
+    assert 0 <= lm["moe"]["bi_share"] <= 100
+    choice = main(["eval-lm", *model, "--data", files["mc"], "--modes", "uni"])
+    assert choice["uni"]["n"] == 10 and 0 <= choice["uni"]["accuracy"] <= 100
+
+    dep = main(["dependence", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "4"])
+    assert dep["uni"]["subsequent"] == pytest.approx(0, abs=1e-6) and dep["bi"]["subsequent"] > 1
+    assert "| mode | preceding | self | subsequent |" in capsys.readouterr().out
+
+    exported = str(tmp_path / "exported")
+    main(["export", *model, "--adapter", stage2, "--output_dir", exported])
+    mixtral = AutoModelForCausalLM.from_pretrained(exported).eval()
+    ids, mask = batch()
+    with torch.no_grad(), ubmoe_peft.use_mode(trained, "moe"):
+        expected = trained(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(mixtral(input_ids=ids, attention_mask=mask).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer):
+    adapter = str(tmp_path / "adapter")
+    wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig())
+    perturb_adapters(wrapped)
+    wrapped.save_pretrained(adapter)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an empty folder; choose a new output folder"):
+        main(["export", "--model", files["model"], "--adapter", adapter, "--output_dir", str(used)])
+    assert [p.name for p in used.iterdir()] == ["notes.txt"]
+
+    # a failing export leaves no folder behind (bi merge of a NaN expert with --safe_merge)
+    nan_adapter = str(tmp_path / "nan")
+    with torch.no_grad():
+        next(p for n, p in wrapped.named_parameters() if ".ubmoe_lora_B." in n).fill_(float("nan"))
+    wrapped.save_pretrained(nan_adapter)
+    target = tmp_path / "never"
+    with pytest.raises(ValueError, match="(?i)nan|finite"):
+        main(["export", "--model", files["model"], "--adapter", nan_adapter, "--output_dir", str(target)]
+             + ["--target", "bi", "--safe_merge", "true"])  # fmt: skip
+    assert not target.exists() and not list(tmp_path.glob(".never.*"))
+
+
+@pytest.mark.parametrize(
+    "argv, error, message",
+    [
+        (["train-router", "--output_dir", "x"], ValueError, "train-router needs --adapter"),
+        (["export", "--output_dir", "x"], ValueError, "export needs --adapter"),
+        (["eval-sts", "--data", "missing.tsv"], ValueError, "'missing.tsv' does not exist"),
+        (["eval-sts", "--data", "{texts}"], ValueError, r"has columns \['text'\]; 'sts' needs columns"),
+        (["eval-lm", "--data", "{texts}", "--modes", "bi"], ValueError, "mode 'bi' are meaningless"),
+        (["eval-lm", "--data", "{texts}", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
+        (["eval-sts", "--data", "{sts}", "--dtype", "int8"], ValueError, "--dtype 'int8' is not one of"),
+        (["eval-sts", "--data", "{model}/config.json.bak"], ValueError, "suffix '.bak'"),
+    ],
+)
+def test_bad_input_is_named_with_the_fix(files, argv, error, message):
+    (Path(files["model"]) / "config.json.bak").write_text("{}")
+    argv = [a.format(**files) for a in argv]
+    with pytest.raises(error, match=message):
+        main([argv[0], "--model", files["model"], *argv[1:]])
+
+
+def test_words_fixture_matches_the_tokenizer(tokenizer):
+    assert tokenizer(w(5, 6))["input_ids"] == [5, 6] and WORDS[5] == "af"

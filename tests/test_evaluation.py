@@ -1,0 +1,106 @@
+"""The evaluations against references computed another way: transformers' own loss, scipy's Spearman."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import perturb_adapters, tiny_model, w
+from peft import get_peft_model
+from scipy.stats import spearmanr
+
+import ubmoe_peft
+from ubmoe_peft import UBMoEConfig
+from ubmoe_peft.evaluation import lm_loss, multiple_choice_accuracy, sts_spearman
+
+
+@pytest.fixture
+def model():
+    wrapped = get_peft_model(tiny_model(), UBMoEConfig()).eval()
+    perturb_adapters(wrapped, std=0.3)
+    return wrapped
+
+
+@pytest.mark.parametrize("mode", ["uni", "moe"])
+def test_lm_loss_of_texts_is_transformers_loss_over_all_tokens(model, tokenizer, mode):
+    texts = [w(*range(5, 14)), w(20, 21, 22, 23), w(40, 41, 42, 43, 44, 45)]  # different lengths: padding in play
+    got = lm_loss(model, tokenizer, texts, mode=mode, batch_size=2)
+    total, count = 0.0, 0
+    with torch.no_grad(), ubmoe_peft.use_mode(model, mode):
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]  # (1, T)
+            total += float(model(input_ids=ids, labels=ids).loss) * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+    assert got["tokens"] == count
+    assert got["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert got["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+def test_lm_loss_scores_only_the_completion_and_the_last_chat_turn(model, tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    prompt, completion = w(5, 6, 7), w(8, 9)
+    as_chat = {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
+    as_pair = {"prompt": prompt + " ", "completion": completion}
+    chat, pair = lm_loss(model, tokenizer, [as_chat], mode="uni"), lm_loss(model, tokenizer, [as_pair], mode="uni")
+    assert chat["tokens"] == pair["tokens"] == 2
+    assert chat["loss"] == pytest.approx(pair["loss"], rel=1e-6)
+    with torch.no_grad(), ubmoe_peft.use_mode(model, "uni"):
+        logits = model(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits[0].log_softmax(-1)  # (5, V)
+    assert pair["loss"] == pytest.approx(-float(logits[2, 8] + logits[3, 9]) / 2, rel=1e-5)
+
+
+def test_multiple_choice_picks_the_likeliest_continuation(model, tokenizer):
+    tokenizer.pad_token = tokenizer.eos_token
+    rows = [{"question": w(5, 6), "choices": [w(7), w(8), w(9, 10)], "label": label} for label in range(3)]
+    got = multiple_choice_accuracy(model, tokenizer, rows, mode="uni")
+    with torch.no_grad(), ubmoe_peft.use_mode(model, "uni"):
+        scores = []
+        for choice in rows[0]["choices"]:
+            context = tokenizer(f"Question: {rows[0]['question']}\nAnswer:")["input_ids"]
+            full = tokenizer(f"Question: {rows[0]['question']}\nAnswer: {choice}")["input_ids"]
+            logp = model(input_ids=torch.tensor([full])).logits[0].log_softmax(-1)  # (T, V)
+            scores.append(sum(float(logp[t - 1, full[t]]) for t in range(len(context), len(full))))
+    best = max(range(3), key=scores.__getitem__)
+    assert got["n"] == 3 and got["accuracy"] == pytest.approx(100 / 3)  # the same pick is right for 1 label of 3
+    assert multiple_choice_accuracy(model, tokenizer, [rows[best]], mode="uni")["accuracy"] == 100
+
+
+@pytest.mark.parametrize("mode", ["uni", "bi"])
+def test_sts_spearman_is_scipy_on_cosine_of_mean_pooled_states(model, tokenizer, mode):
+    s1 = [w(i, i + 1, i + 2) for i in range(5, 17)]
+    s2 = [w(i + 3, i + 1) for i in range(5, 17)]
+    gold = [float((i * 7) % 5) for i in range(12)]
+    got = sts_spearman(model, tokenizer, s1, s2, gold, mode=mode)
+
+    def embed(texts):
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        with torch.no_grad(), ubmoe_peft.use_mode(model, mode):
+            hidden = model(**enc, output_hidden_states=True).hidden_states[-1]  # (B, T, C)
+        m = enc["attention_mask"].unsqueeze(-1).float()  # (B, T, 1)
+        return (hidden * m).sum(1) / m.sum(1)  # (B, C)
+
+    cosine = torch.nn.functional.cosine_similarity(embed(s1), embed(s2)).tolist()
+    assert got == pytest.approx(100 * spearmanr(gold, cosine).statistic, abs=1e-4)
+
+
+def test_likelihood_scores_refuse_mode_bi(model, tokenizer):
+    with pytest.raises(ValueError, match="mode 'bi' are meaningless"):
+        lm_loss(model, tokenizer, [w(5, 6, 7)], mode="bi")
+    with ubmoe_peft.use_mode(model, "bi"), pytest.raises(ValueError, match="mode 'bi' are meaningless"):
+        multiple_choice_accuracy(model, tokenizer, [{"question": w(5), "choices": [w(6)], "label": 0}])
+    assert lm_loss(tiny_model(), tokenizer, [w(5, 6, 7)])["tokens"] == 2  # a plain model has no modes to refuse
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, t: lm_loss(m, t, []), "at least one example"),
+        (lambda m, t: lm_loss(m, t, [{"answer": "x"}]), r"keys \['answer'\]"),
+        (lambda m, t: multiple_choice_accuracy(m, t, [{"question": "q"}]), r"lacks \['choices', 'label'\]"),
+        (lambda m, t: sts_spearman(m, t, ["a", "b"], ["c"], [1.0, 2.0]), "as many sentences1"),
+    ],
+)
+def test_bad_rows_are_named(model, tokenizer, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(model, tokenizer)

