@@ -145,3 +145,12 @@ def test_bad_input_is_named_with_the_fix(files, argv, error, message):
 
 def test_words_fixture_matches_the_tokenizer(tokenizer):
     assert tokenizer(w(5, 6))["input_ids"] == [5, 6] and WORDS[5] == "af"
+
+
+def test_the_ubmoe_console_script_is_installed():
+    import subprocess
+    import sys
+
+    script = Path(sys.executable).parent / "ubmoe"  # pip install -e . puts it beside the interpreter
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, check=True)
+    assert "ubmoe <command>" in result.stdout and "train-router" in result.stdout
