@@ -324,3 +324,26 @@ def test_merge_into_a_quantized_base_is_refused_before_any_change(saved_dirs, ex
     assert all(torch.equal(before[k], after[k]) for k in before)
     ubmoe_peft.set_mode(model, "bi")
     assert torch.isfinite(logits(model.eval(), ids_batch(2))).all()  # still wrapped and usable
+
+
+def test_router_trainer_on_a_4bit_base_keeps_the_router_dtype(saved_dirs, tmp_path):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ubmoe_peft import RouterConfig, RouterTrainer
+
+    words = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w2", unk_token="w3")
+    texts = Dataset.from_dict({"text": [" ".join(f"w{j}" for j in range(i, i + 12)) for i in range(3, 40)]})
+    model = get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig())
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ubmoe_router." in n}
+    args = RouterConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, max_length=32, report_to="none"
+    )
+    RouterTrainer(model, args=args, train_dataset=texts, processing_class=tokenizer).train()
+    routers = {n: p for n, p in model.named_parameters() if ".ubmoe_router." in n}
+    assert {p.dtype for p in routers.values()} == {torch.float32}  # TRL had cast them to bf16
+    assert all(not torch.equal(p, before[n]) for n, p in routers.items())

@@ -165,6 +165,13 @@ class RouterTrainer(SFTTrainer):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.RouterConfig.")
         set_stage(model, "router")
         super().__init__(model=model, args=args, **kwargs)
+        # On a quantized base TRL casts every trainable parameter to bf16 (its QLoRA recipe). The routers keep
+        # config.router_dtype: their logits, and so every top-1 decision, are computed and saved in it.
+        configs = getattr(model, "peft_config", {})
+        for layer in ubmoe_layers(model):
+            for adapter, router in layer.ubmoe_router.items():
+                if adapter in configs:
+                    router.weight.data = router.weight.data.to(getattr(torch, configs[adapter].router_dtype))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
