@@ -80,9 +80,13 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     assert set(sts) == {"uni", "bi"} and all(-100 <= r["spearman"] <= 100 for r in sts.values())
     assert json.loads((tmp_path / "sts.json").read_text()) == sts
 
+    capsys.readouterr()
     lm = main(["eval-lm", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "6"])
     assert set(lm) == {"uni", "moe"} and lm["uni"]["tokens"] == 6 * 9
     assert 0 <= lm["moe"]["bi_share"] <= 100
+    table = capsys.readouterr().out.split("Language model (6 rows)")[1].strip().splitlines()
+    assert table[:2] == ["| mode | loss | perplexity | tokens | bi_share |", "|---|---|---|---|---|"]
+    assert table[2].startswith("| uni | ") and table[2].endswith(" | 54.00 |  |")  # no routing in mode uni
     choice = main(["eval-lm", *model, "--data", files["mc"], "--modes", "uni"])
     assert choice["uni"]["n"] == 10 and 0 <= choice["uni"]["accuracy"] <= 100
 

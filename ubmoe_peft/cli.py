@@ -135,9 +135,13 @@ def _modes(args: EvalArgs, default: list[str]) -> list[str]:
 
 
 def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, Any]:
-    rows = [f"| {mode} | " + " | ".join(f"{v:.2f}" for v in vals.values()) + " |" for mode, vals in results.items()]
-    header = next(iter(results.values()))
-    print(f"\n{title}\n\n| mode | " + " | ".join(header) + " |\n|---" * (len(header) + 1) + "|\n" + "\n".join(rows))
+    """Print ``{mode: {metric: value}}`` as a markdown table (and write it as JSON to ``--output``)."""
+    columns = list(dict.fromkeys(key for values in results.values() for key in values))
+    lines = [f"\n{title}\n", "| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for mode, values in results.items():
+        cells = [f"{values[c]:.2f}" if c in values else "" for c in columns]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
     if args.output:
         from .io import atomic_write_text
 
