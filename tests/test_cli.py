@@ -132,6 +132,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
     [
         (["train-router", "--output_dir", "x"], ValueError, "train-router needs --adapter"),
         (["export", "--output_dir", "x"], ValueError, "export needs --adapter"),
+        (["train-contrastive", "--adapter", "a", "--r", "4"], ValueError, r"\['r'\] set a new adapter's shape"),
         (["eval-sts", "--data", "missing.tsv"], ValueError, "'missing.tsv' does not exist"),
         (["eval-sts", "--data", "{texts}"], ValueError, r"has columns \['text'\]; 'sts' needs columns"),
         (["eval-lm", "--data", "{texts}", "--modes", "bi"], ValueError, "mode 'bi' are meaningless"),

@@ -143,5 +143,6 @@ def test_config_defaults_are_the_papers_and_run_on_cpu(tmp_path):
     stage1 = ContrastiveConfig(output_dir=str(tmp_path))
     assert (stage1.learning_rate, stage1.per_device_train_batch_size, stage1.scale) == (3e-4, 64, 20.0)
     assert stage1.prompt == 'The representative word for sentence {text} is:"'
+    assert ContrastiveConfig(output_dir=str(tmp_path), prompt="none").prompt is None  # the command line's spelling
     stage2 = RouterConfig(output_dir=str(tmp_path))  # TRL's own default (bf16 on) fails on a CPU-only machine
     assert stage2.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())

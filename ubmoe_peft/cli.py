@@ -216,8 +216,15 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
     from .data import contrastive_pairs, load_rows
     from .trainers import ContrastiveTrainer
 
+    settings = dataclasses.asdict(adapter)
+    changed = {k: v for k, v in settings.items() if v != AdapterArgs.__dataclass_fields__[k].default}
+    if model_args.adapter is not None and changed:
+        raise ValueError(
+            f"{sorted(changed)} set a new adapter's shape, but --adapter {model_args.adapter} is loaded with its own "
+            "saved settings. Drop those options to continue training it, or drop --adapter to start a new one."
+        )
     rows = contrastive_pairs(load_rows(data.data, "contrastive", data.split, data.max_rows))
-    model, tokenizer = load_model(model_args, trainable=True, new_adapter=dataclasses.asdict(adapter))
+    model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train()
     model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe train-router --adapter {config.output_dir}")

@@ -50,7 +50,7 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
         default=PAPER_PROMPT,
         metadata={
             "help": "Template each text is embedded in; '{text}' marks where the text goes (else it is appended). "
-            "None embeds the bare text. Default: the paper's prompt."
+            "None (or 'none' on the command line) embeds the bare text. Default: the paper's prompt."
         },
     )
     pooling: str = field(
@@ -70,6 +70,8 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.prompt in ("none", "None", ""):  # command-line spelling of "no prompt"
+            self.prompt = None
         if self.prompt is not None and self.prompt.count("{text}") > 1:
             raise ValueError(f"prompt={self.prompt!r} has more than one '{{text}}' placeholder; use at most one.")
         if self.max_length < 1 or self.scale <= 0:
