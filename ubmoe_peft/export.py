@@ -1,7 +1,8 @@
 """``merge_and_unload(target="moe")``: a UBMoE model as a plain transformers MoE model with two experts per layer.
 
 transformers already has the architecture a UBMoE model is: a decoder whose FFN is a routed set of experts. Llama and
-Mistral map to Mixtral (same attention, RMSNorm and SwiGLU experts), Qwen3 to Qwen3-MoE. Expert 0 is the original FFN
+Mistral map to Mixtral (same attention, RMSNorm and SwiGLU experts), Qwen2 to Qwen2-MoE (its shared expert gets
+width 0, so it adds nothing) and Qwen3 to Qwen3-MoE. Expert 0 is the original FFN
 (uni), expert 1 the bi expert, the router's weight is ours, and ``num_experts_per_tok`` is our ``top_k``, so the
 exported model loads with ``AutoModelForCausalLM.from_pretrained`` alone. Writing the weights in by hand is needed
 because no library converts a dense FFN plus an adapter into fused MoE experts.
@@ -27,7 +28,7 @@ from torch import nn
 from .architectures import decoder_layers, linear_projections
 
 # model_type -> the transformers MoE model_type it is exported to
-MOE_EXPORTS: dict[str, str] = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}
+MOE_EXPORTS: dict[str, str] = {"llama": "mixtral", "mistral": "mixtral", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
 _DROP = ("model_type", "architectures", "transformers_version", "auto_map", "_name_or_path", "dtype", "torch_dtype")
 
 
@@ -44,7 +45,7 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
     fields.update(num_experts_per_tok=top_k, output_router_logits=False)
     if target == "mixtral":
         fields.update(num_local_experts=2, router_jitter_noise=0.0)
-    else:  # qwen3_moe: layers without a UBMoE FFN stay dense
+    else:  # qwen2_moe / qwen3_moe: layers without a UBMoE FFN stay dense
         fields.update(
             num_experts=2,
             moe_intermediate_size=base_config.intermediate_size,
@@ -52,6 +53,8 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
             decoder_sparse_step=1,
             mlp_only_layers=dense_layers,
         )
+        if target == "qwen2_moe":  # its always-on shared expert gets no width: it adds exactly zero
+            fields.update(shared_expert_intermediate_size=0)
     return AutoConfig.for_model(target, **fields)
 
 
@@ -68,6 +71,19 @@ def _experts(uni: dict[str, torch.Tensor], bi: dict[str, torch.Tensor], prefix: 
     }
 
 
+def _empty_shared_expert(down: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """Qwen2-MoE adds ``sigmoid(gate(x)) * shared_expert(x)`` to every token; with intermediate size 0 the shared
+    expert's output is an empty sum, exactly 0, so the block is the routed experts alone."""
+    hidden = down.shape[0]
+    empty = dict(dtype=down.dtype, device=down.device)
+    return {
+        f"{prefix}.shared_expert.gate_proj.weight": torch.zeros(0, hidden, **empty),  # (0, C)
+        f"{prefix}.shared_expert.up_proj.weight": torch.zeros(0, hidden, **empty),  # (0, C)
+        f"{prefix}.shared_expert.down_proj.weight": torch.zeros(hidden, 0, **empty),  # (C, 0)
+        f"{prefix}.shared_expert_gate.weight": torch.zeros(1, hidden, **empty),  # (1, C)
+    }
+
+
 def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn.Module:
     """The transformers MoE model equal to ``model`` (a causal LM holding UBMoE layers) in mode moe."""
     from transformers import AutoModelForCausalLM
@@ -78,7 +94,7 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     target = MOE_EXPORTS.get(config.model_type)
     if target is None:
         raise NotImplementedError(
-            f"merge_and_unload(target='moe') exports {sorted(MOE_EXPORTS)} models (to Mixtral / Qwen3-MoE); "
+            f"merge_and_unload(target='moe') exports {sorted(MOE_EXPORTS)} models (to Mixtral / Qwen-MoE); "
             f"transformers has no MoE architecture matching model_type={config.model_type!r}. Keep the adapter "
             "separate (model.save_pretrained) for generation, or use target='bi' for the embedding model."
         )
@@ -94,7 +110,7 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         prefix = f"{layers[i][0]}.mlp"
         base = ffn.base_layer if i in wrapped else ffn
         uni = {name: proj.weight.detach() for name, proj in linear_projections(base).items()}  # (out, in)
-        if i not in wrapped and target == "qwen3_moe":
+        if i not in wrapped and target != "mixtral":
             state.update({f"{prefix}.{name}.weight": weight for name, weight in uni.items()})
             continue
         down = uni["down_proj"]  # (C, I)
@@ -106,6 +122,8 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
                 bi = ffn.bi_weights(adapter, check_finite=check_finite)
         state[f"{prefix}.gate.weight"] = router.to(down.dtype)
         state.update(_experts(uni, {k: v.to(down.dtype) for k, v in bi.items()}, prefix))
+        if target == "qwen2_moe":
+            state.update(_empty_shared_expert(down, prefix))
 
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     device = next(model.parameters()).device
