@@ -11,6 +11,7 @@ import pathlib
 import pickle
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,7 +23,14 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import ubmoe_peft
-from ubmoe_peft.io import AdapterFileError, AdapterMismatchError, UBMoEFileError, atomic_write, atomic_write_text
+from ubmoe_peft.io import (
+    AdapterFileError,
+    AdapterMismatchError,
+    UBMoEFileError,
+    atomic_folder,
+    atomic_write,
+    atomic_write_text,
+)
 from ubmoe_peft.modes import ubmoe_layers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -564,3 +572,21 @@ def test_saved_config_is_complete_and_readable(saved):
 def test_no_stray_files_after_a_normal_save(saved):
     folder, _ = saved
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_saved_files_get_the_mode_a_plain_write_gives(tmp_path):
+    old = os.umask(0o022)
+    try:
+        model = wrap()
+        model.save_pretrained(tmp_path / "a")
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            assert stat.S_IMODE((tmp_path / "a" / name).stat().st_mode) == 0o644  # not mkstemp's private 0o600
+        weights = tmp_path / "a" / "adapter_model.safetensors"
+        weights.chmod(0o640)
+        model.save_pretrained(tmp_path / "a")  # replacing a file keeps its mode
+        assert stat.S_IMODE(weights.stat().st_mode) == 0o640
+        with atomic_folder(tmp_path / "export") as tmp:
+            (pathlib.Path(tmp) / "config.json").write_text("{}")
+        assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755  # not mkdtemp's 0o700
+    finally:
+        os.umask(old)

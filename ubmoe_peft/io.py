@@ -58,18 +58,28 @@ def _fsync_dir(folder: str) -> None:
             os.close(fd)
 
 
+def _umask_mode(full: int) -> int:
+    """``full`` (0o666 for files, 0o777 for folders) less the process umask: the mode a plain open/mkdir gives."""
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return full & ~mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Write ``path`` all or nothing: ``write(tmp)`` fills a temp file beside it, which is fsynced and renamed.
 
     A crash or kill at any point leaves either the old file or the complete new one under ``path``; at worst a
-    stray ``.<name>.*.tmp`` file remains beside it, which no loader reads.
+    stray ``.<name>.*.tmp`` file remains beside it, which no loader reads. The file gets the mode a plain write
+    would give (the old file's, else 0o666 less the umask), not mkstemp's private 0o600.
     """
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
+        mode = os.stat(path).st_mode & 0o7777 if os.path.exists(path) else _umask_mode(0o666)
         write(tmp)
+        os.chmod(tmp, mode)  # after the writer, which may itself have renamed a new file onto tmp
         with open(tmp, "rb+") as handle:
             handle.flush()
             os.fsync(handle.fileno())
@@ -106,6 +116,7 @@ def atomic_folder(path: str | os.PathLike):
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
+        os.chmod(tmp, _umask_mode(0o777))  # mkdtemp's folder is private (0o700); a plain mkdir's is not
         yield tmp
         if os.path.isdir(path):
             os.rmdir(path)  # empty, checked above
