@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig
-from ubmoe_peft.cli import main
+from ubmoe_peft.cli import run
 
 FAST = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
 
@@ -47,7 +47,7 @@ def files(tmp_path, tokenizer):
 
 
 def test_usage_lists_every_command(capsys):
-    main([])
+    run([])
     usage = capsys.readouterr().out
     for command in ("demo", "train-contrastive", "train-router", "eval-sts", "eval-lm", "dependence", "export"):
         assert f"  {command} " in usage
@@ -55,15 +55,15 @@ def test_usage_lists_every_command(capsys):
 
 def test_unknown_command_names_it_and_the_commands():
     with pytest.raises(SystemExit, match="(?s)unknown command 'trian-router'.*train-router"):
-        main(["trian-router"])
+        run(["trian-router"])
 
 
 def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     model = ["--model", files["model"], "--device", "cpu"]
     stage1, stage2 = str(tmp_path / "stage1"), str(tmp_path / "stage2")
-    main(["train-contrastive", *model, "--data", files["triplets"], "--output_dir", stage1, "--max_steps", "2"]
+    run(["train-contrastive", *model, "--data", files["triplets"], "--output_dir", stage1, "--max_steps", "2"]
          + ["--per_device_train_batch_size", "8", "--prompt", "none", "--expert_type", "copy", *FAST])  # fmt: skip
-    main(["train-router", *model, "--adapter", stage1, "--data", files["texts"], "--output_dir", stage2]
+    run(["train-router", *model, "--adapter", stage1, "--data", files["texts"], "--output_dir", stage2]
          + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
 
     base = AutoModelForCausalLM.from_pretrained(files["model"]).eval()
@@ -75,27 +75,27 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
                if ".ubmoe_copy." in n)  # stage 2 kept the experts  # fmt: skip
     assert any(p.abs().sum() > 0 for p in routers.values())  # and trained the routers (they start at zero)
 
-    sts = main(["eval-sts", *model, "--adapter", stage2, "--data", files["sts"], "--prompt", "none"]
+    sts = run(["eval-sts", *model, "--adapter", stage2, "--data", files["sts"], "--prompt", "none"]
                + ["--output", str(tmp_path / "sts.json")])  # fmt: skip
     assert set(sts) == {"uni", "bi"} and all(-100 <= r["spearman"] <= 100 for r in sts.values())
     assert json.loads((tmp_path / "sts.json").read_text()) == sts
 
     capsys.readouterr()
-    lm = main(["eval-lm", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "6"])
+    lm = run(["eval-lm", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "6"])
     assert set(lm) == {"uni", "moe"} and lm["uni"]["tokens"] == 6 * 9
     assert 0 <= lm["moe"]["bi_share"] <= 100
     table = capsys.readouterr().out.split("Language model (6 rows)")[1].strip().splitlines()
     assert table[:2] == ["| mode | loss | perplexity | tokens | bi_share |", "|---|---|---|---|---|"]
     assert table[2].startswith("| uni | ") and table[2].endswith(" | 54.00 |  |")  # no routing in mode uni
-    choice = main(["eval-lm", *model, "--data", files["mc"], "--modes", "uni"])
+    choice = run(["eval-lm", *model, "--data", files["mc"], "--modes", "uni"])
     assert choice["uni"]["n"] == 10 and 0 <= choice["uni"]["accuracy"] <= 100
 
-    dep = main(["dependence", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "4"])
+    dep = run(["dependence", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "4"])
     assert dep["uni"]["subsequent"] == pytest.approx(0, abs=1e-6) and dep["bi"]["subsequent"] > 1
     assert "| mode | preceding | self | subsequent |" in capsys.readouterr().out
 
     exported = str(tmp_path / "exported")
-    main(["export", *model, "--adapter", stage2, "--output_dir", exported])
+    run(["export", *model, "--adapter", stage2, "--output_dir", exported])
     mixtral = AutoModelForCausalLM.from_pretrained(exported).eval()
     ids, mask = batch()
     with torch.no_grad(), ubmoe_peft.use_mode(trained, "moe"):
@@ -112,7 +112,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
     used.mkdir()
     (used / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not an empty folder; choose a new output folder"):
-        main(["export", "--model", files["model"], "--adapter", adapter, "--output_dir", str(used)])
+        run(["export", "--model", files["model"], "--adapter", adapter, "--output_dir", str(used)])
     assert [p.name for p in used.iterdir()] == ["notes.txt"]
 
     # a failing export leaves no folder behind (bi merge of a NaN expert with --safe_merge)
@@ -122,7 +122,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
     wrapped.save_pretrained(nan_adapter)
     target = tmp_path / "never"
     with pytest.raises(ValueError, match="(?i)nan|finite"):
-        main(["export", "--model", files["model"], "--adapter", nan_adapter, "--output_dir", str(target)]
+        run(["export", "--model", files["model"], "--adapter", nan_adapter, "--output_dir", str(target)]
              + ["--target", "bi", "--safe_merge", "true"])  # fmt: skip
     assert not target.exists() and not list(tmp_path.glob(".never.*"))
 
@@ -145,17 +145,21 @@ def test_bad_input_is_named_with_the_fix(files, argv, error, message):
     (Path(files["model"]) / "config.json.bak").write_text("{}")
     argv = [a.format(**files) for a in argv]
     with pytest.raises(error, match=message):
-        main([argv[0], "--model", files["model"], *argv[1:]])
+        run([argv[0], "--model", files["model"], *argv[1:]])
 
 
 def test_words_fixture_matches_the_tokenizer(tokenizer):
     assert tokenizer(w(5, 6))["input_ids"] == [5, 6] and WORDS[5] == "af"
 
 
-def test_the_ubmoe_console_script_is_installed():
+def test_the_ubmoe_console_script_is_installed_and_exits_0(files):
     import subprocess
     import sys
 
     script = Path(sys.executable).parent / "ubmoe"  # pip install -e . puts it beside the interpreter
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, check=True)
     assert "ubmoe <command>" in result.stdout and "train-router" in result.stdout
+    command = [str(script), "eval-lm", "--model", files["model"], "--data", files["texts"], "--max_rows", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]  # a returned dict would make sys.exit print it, status 1
+    assert "| uni | " in result.stdout and "'uni'" not in result.stderr

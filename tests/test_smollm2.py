@@ -117,12 +117,12 @@ def test_smollm2_exports_to_mixtral_and_merges_to_a_bidirectional_model(smollm2,
 def test_ubmoe_demo_runs_the_whole_method_and_writes_its_report(tmp_path):
     import json
 
-    from ubmoe_peft.cli import main
+    from ubmoe_peft.cli import run
 
     out = tmp_path / "demo"
     small = ["--contrastive_steps", "2", "--contrastive_batch_size", "8", "--router_steps", "2"]
     small += ["--router_batch_size", "4", "--held_out_chats", "8", "--dependence_texts", "6"]
-    main(["demo", "--output_dir", str(out), *small])
+    run(["demo", "--output_dir", str(out), *small])
     assert {p.name for p in out.iterdir()} >= {"report.md", "report.json", "training.png", "dependence.png", "adapter"}
     report = json.loads((out / "report.json").read_text())
     assert "Paris" in report["answers"]["uni (base model)"]

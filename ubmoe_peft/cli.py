@@ -301,10 +301,11 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> Any:
+def run(argv: Sequence[str]) -> Any:
+    """Run one ``ubmoe`` command line (without the program name) and return the command's result."""
     from transformers import HfArgumentParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return None
@@ -316,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> Any:
     parser = HfArgumentParser(classes, prog=f"ubmoe {command}", description=function.__doc__)
     parsed = parser.parse_args_into_dataclasses(args=rest)
     return function(*parsed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The console entry point: exit status 0 on success (the results are printed, and written by --output)."""
+    run(sys.argv[1:] if argv is None else argv)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
