@@ -97,7 +97,7 @@ def perturb(model: nn.Module, seed: int = 1) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".ubmoe_" in name and ("lora_B" in name or "router" in name or "copy" in name):
+            if ".ubmoe_" in name and any(kind in name for kind in ("lora_B", "attn_B", "router", "copy")):
                 noise = torch.randn(param.shape, generator=gen) * (1.0 if "router" in name else 0.05)
                 param.add_(noise.to(param.dtype))
 
@@ -194,16 +194,17 @@ def _expert_grads(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("attention_r", [0, 4])
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("expert", ["lora", "copy"])
 @pytest.mark.parametrize("quant", list(QUANTS))
-def test_expert_gradients_match_dequantized_float_model(saved_dirs, quant, expert, batch_size):
+def test_expert_gradients_match_dequantized_float_model(saved_dirs, quant, expert, batch_size, attention_r):
     quantized = load_quantized(saved_dirs[128], quant)
     ids = ids_batch(batch_size)
     with torch.no_grad():
         quantized(input_ids=ids)  # an eval forward first: bnb would repack 4-bit layers into a no-backward layout
     reference = dequantized_float_copy(quantized, saved_dirs[128])
-    config = UBMoEConfig(expert_type=expert, lora_dropout=0.0)
+    config = UBMoEConfig(expert_type=expert, lora_dropout=0.0, attention_r=attention_r)  # 4: + mode-bi attention
     model = get_peft_model(quantized, config)
     reference = get_peft_model(reference, copy.deepcopy(config))
     perturb(model)
@@ -218,7 +219,8 @@ def test_expert_gradients_match_dequantized_float_model(saved_dirs, quant, exper
         warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
         grads = _expert_grads(model, ids)
     expected = _expert_grads(reference, ids)
-    assert grads.keys() == expected.keys() and len(grads) == (12 if expert == "lora" else 6)
+    count = (12 if expert == "lora" else 6) + (16 if attention_r else 0)  # 2 layers; q, k, v, o with A and B
+    assert grads.keys() == expected.keys() and len(grads) == count
     for name, grad in grads.items():
         scale = expected[name].norm()
         assert scale > 0, name  # every expert parameter is on the gradient path

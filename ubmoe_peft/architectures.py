@@ -74,6 +74,18 @@ def default_ffn_target(model: nn.Module) -> str:
     )
 
 
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
+
+
+def attention_module(decoder_layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's self-attention: its first child named like one (``self_attn`` in transformers' decoders)."""
+    for name in ATTENTION_NAMES:
+        module = getattr(decoder_layer, name, None)
+        if isinstance(module, nn.Module) and linear_projections(module):
+            return module
+    return None
+
+
 def linear_projections(ffn: nn.Module) -> dict[str, nn.Linear]:
     """Every linear layer inside an FFN, keyed by its dotted name relative to the FFN."""
     return {name: m for name, m in ffn.named_modules() if name and isinstance(m, nn.Linear)}

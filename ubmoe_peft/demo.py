@@ -29,6 +29,9 @@ QUESTION = "What is the capital of France?"
 class DemoArgs:
     output_dir: str = field(default="ubmoe-demo", metadata={"help": "Folder for the report, plots and adapter."})
     expert_type: str = field(default="lora", metadata={"help": "Bidirectional expert: 'lora' or 'copy'."})
+    attention_r: int = field(
+        default=0, metadata={"help": "Rank of the optional mode-bi attention adapter (0: the paper's FFN-only method)."}
+    )
     contrastive_steps: int = field(default=30, metadata={"help": "Stage-1 optimizer steps."})
     contrastive_batch_size: int = field(default=16, metadata={"help": "Stage-1 triplets per batch."})
     contrastive_lr: float | None = field(
@@ -109,7 +112,7 @@ def run_demo(args: DemoArgs) -> str:
     }
     base, tokenizer = load_smollm2()
     base.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = get_peft_model(base, UBMoEConfig(expert_type=args.expert_type))
+    model = get_peft_model(base, UBMoEConfig(expert_type=args.expert_type, attention_r=args.attention_r))
     lap("load SmolLM2-135M-Instruct")
 
     before = _measure(model, tokenizer, data, {"sts": ["uni", "bi"], "lm": ["uni"], "dependence": ["uni", "bi"]})
@@ -170,12 +173,15 @@ def run_demo(args: DemoArgs) -> str:
 
 def _markdown(r: dict[str, Any], plots: list[str]) -> str:
     b, a = r["before"], r["after"]
+    rank = r["settings"]["attention_r"]
+    attention = f" with a rank-{rank} mode-bi attention adapter" if rank else ""
     dep = {"uni (base)": b["dependence"]["uni"], "bi, untrained": b["dependence"]["bi"]}
     dep.update({"bi, trained": a["dependence"]["bi"], "moe, trained": a["dependence"]["moe"]})
     lines = [
         "# ubmoe demo report",
         "",
-        f"SmolLM2-135M-Instruct, expert `{r['settings']['expert_type']}`, {r['settings']['contrastive_steps']} "
+        f"SmolLM2-135M-Instruct, expert `{r['settings']['expert_type']}`{attention}, "
+        f"{r['settings']['contrastive_steps']} "
         f"contrastive and {r['settings']['router_steps']} router steps on the demo data shipped with ubmoe-peft. "
         "Tiny data and few steps: this shows the pipeline and the direction of each effect, not paper numbers.",
         "",

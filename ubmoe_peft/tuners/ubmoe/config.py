@@ -35,6 +35,13 @@ class UBMoEConfig(PeftConfig):
     use_rslora: bool = field(
         default=True, metadata={"help": "Rank-stabilized LoRA scaling alpha/sqrt(r), as in the UBMoE paper."}
     )
+    attention_r: int = field(
+        default=0,
+        metadata={
+            "help": "Rank of an optional LoRA on the attention projections that only mode 'bi' uses (beyond the "
+            "paper: better embeddings); modes 'uni' and 'moe' never see it. 0 (default): no attention adapter."
+        },
+    )
     target_modules: list[str] | str | None = field(
         default=None,
         metadata={
@@ -89,6 +96,11 @@ class UBMoEConfig(PeftConfig):
             )
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise ValueError(f"UBMoEConfig(r={self.r!r}) is invalid: the LoRA rank must be a positive integer.")
+        if isinstance(self.attention_r, bool) or not isinstance(self.attention_r, int) or self.attention_r < 0:
+            raise ValueError(
+                f"UBMoEConfig(attention_r={self.attention_r!r}) is invalid: use 0 (no attention adapter) or a positive "
+                "LoRA rank."
+            )
         if not 0.0 <= float(self.lora_dropout) < 1.0:
             raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be in [0, 1).")
         if self.router_dtype not in ROUTER_DTYPES:
@@ -160,4 +172,8 @@ class UBMoEConfig(PeftConfig):
     @property
     def scaling(self) -> float:
         """The factor on the LoRA delta B(A(x))."""
-        return self.lora_alpha / (self.r**0.5 if self.use_rslora else self.r)
+        return self.lora_scaling(self.r)
+
+    def lora_scaling(self, rank: int) -> float:
+        """alpha / r, or alpha / sqrt(r) with rsLoRA."""
+        return self.lora_alpha / (rank**0.5 if self.use_rslora else rank)

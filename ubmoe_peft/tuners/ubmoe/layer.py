@@ -50,20 +50,26 @@ def _module_name(key: str) -> str:
 
 
 def _lora_delta(
-    layer: UBMoELayer, adapter: str, key: str, scale: float | torch.Tensor, module: nn.Module, args: tuple, out: Any
+    a: nn.Linear,
+    b: nn.Linear,
+    dropout: nn.Module,
+    scale: float | torch.Tensor,
+    module: nn.Module,
+    args: tuple,
+    out: Any,
 ) -> torch.Tensor:
-    """Forward hook on a base projection, installed only for one routed FFN call: adds ``scale * B A x`` to its output.
+    """Forward hook on a base projection, installed only for one routed FFN call (or one mode-bi attention call):
+    adds ``scale * B A x`` to its output.
 
     ``scale`` is the adapter's scaling (every row routed to bi) or an (N, 1) column that is the scaling on the rows
     routed to bi and 0 on the others, whose output then stays bit-identical to the base projection's.
     """
     # Weights are used functionally (F.linear) and dropout only when it is active: at decode sizes the per-call
     # overhead of module calls, not the rank-r matmuls, was the hook's cost (docs/performance.md).
-    a_weight, b_weight = layer.ubmoe_lora_A[adapter][key].weight, layer.ubmoe_lora_B[adapter][key].weight  # (r, C_in)
+    a_weight, b_weight = a.weight, b.weight  # (r, C_in), (C_out, r)
     x = args[0].reshape(-1, args[0].shape[-1])  # (N, C_in)
     if x.dtype != a_weight.dtype:
         x = x.to(a_weight.dtype)
-    dropout = layer.ubmoe_dropout[adapter]
     if dropout.training:
         x = dropout(x)  # (N, C_in)
     # Scale the rank-r side, not the (N, C_out) delta: elementwise passes over wide tensors, not the LoRA matmuls, were
@@ -83,8 +89,8 @@ def _lora_delta(
 class UBMoELayer(nn.Module, BaseTunerLayer):
     """A UBMoE-wrapped FFN. Adapters live in ModuleDicts keyed by adapter name, next to the untouched ``base_layer``."""
 
-    adapter_layer_names = ("ubmoe_lora_A", "ubmoe_lora_B", "ubmoe_copy", "ubmoe_router")
-    other_param_names = ("ubmoe_dropout", "scaling", "top_k", "expert_type")
+    adapter_layer_names = ("ubmoe_lora_A", "ubmoe_lora_B", "ubmoe_copy", "ubmoe_router", "ubmoe_attn_A", "ubmoe_attn_B")
+    other_param_names = ("ubmoe_dropout", "scaling", "top_k", "expert_type", "attention_scaling")
 
     def __init__(
         self,
@@ -94,6 +100,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         state: ModeState,
         layer_idx: int,
         hidden_size: int,
+        attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.base_layer = base_layer
@@ -102,6 +109,12 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.ubmoe_copy = nn.ModuleDict()
         self.ubmoe_router = nn.ModuleDict()
         self.ubmoe_dropout = nn.ModuleDict()
+        self.ubmoe_attn_A = nn.ModuleDict()  # the optional mode-bi attention adapter, on the sibling attention
+        self.ubmoe_attn_B = nn.ModuleDict()
+        self.attention_scaling: dict[str, float] = {}
+        # The decoder layer's attention, as a plain attribute: it is the parent's child, not ours (state_dict keys).
+        object.__setattr__(self, "_attention", attention)
+        self._attention_hooks: list[Any] = []
         self.scaling: dict[str, float] = {}
         self.top_k: dict[str, int] = {}
         self.expert_type: dict[str, str] = {}
@@ -133,12 +146,63 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             self.scaling[adapter_name] = config.scaling
         else:
             self.ubmoe_copy[adapter_name] = make_dense_copy(self.base_layer)
+        if config.attention_r:
+            self._add_attention_adapter(adapter_name, config, device)
         router = nn.Linear(self.hidden_size, 2, bias=False, device=device, dtype=_ROUTER_DTYPES[config.router_dtype])
         nn.init.zeros_(router.weight)  # equal logits -> every token to the uni expert (our tie rule)
         self.ubmoe_router[adapter_name] = router
         self.top_k[adapter_name] = config.top_k
         self.expert_type[adapter_name] = config.expert_type
         self.set_adapter(self.active_adapters)
+
+    def _add_attention_adapter(self, adapter_name: str, config: UBMoEConfig, device: torch.device) -> None:
+        """LoRA on every linear layer of the decoder layer's attention, used only in mode bi (see `_attention_on`)."""
+        if self._attention is None:
+            raise ValueError(
+                f"UBMoEConfig(attention_r={config.attention_r}) adds an attention adapter, but decoder layer "
+                f"{self.layer_idx} has no self-attention module UBMoE can find (named 'self_attn', 'attention' or "
+                "'attn'). Use attention_r=0."
+            )
+        a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
+        for name, proj in linear_projections(self._attention).items():
+            a = nn.Linear(proj.in_features, config.attention_r, bias=False, device=device, dtype=torch.float32)
+            b = nn.Linear(config.attention_r, proj.out_features, bias=False, device=device, dtype=torch.float32)
+            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+            nn.init.zeros_(b.weight)  # delta 0: mode bi starts as the base attention, made bidirectional
+            a_dict[_module_key(name)], b_dict[_module_key(name)] = a, b
+        self.ubmoe_attn_A[adapter_name], self.ubmoe_attn_B[adapter_name] = a_dict, b_dict
+        self.attention_scaling[adapter_name] = config.lora_scaling(config.attention_r)
+        if adapter_name not in self.ubmoe_dropout:
+            self.ubmoe_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
+        if not self._attention_hooks:
+            # Around each attention call (also a gradient-checkpointing recompute), mode bi adds the deltas through
+            # temporary hooks on the projections; modes uni and moe run the attention untouched.
+            self._attention_hooks = [
+                self._attention.register_forward_pre_hook(self._attention_on),
+                self._attention.register_forward_hook(self._attention_off, always_call=True),
+            ]
+
+    def _attention_on(self, module: nn.Module, args: tuple) -> None:
+        adapter = self._current_adapter()
+        if adapter is None or self._state.spec.ffn != "bi" or adapter not in self.ubmoe_attn_A:
+            return
+        dropout, scale = self.ubmoe_dropout[adapter], self.attention_scaling[adapter]
+        self._attention_deltas = [
+            module.get_submodule(_module_name(key)).register_forward_hook(
+                functools.partial(_lora_delta, a, self.ubmoe_attn_B[adapter][key], dropout, scale)
+            )
+            for key, a in self.ubmoe_attn_A[adapter].items()
+        ]
+
+    def _attention_off(self, module: nn.Module, args: tuple, out: Any) -> None:
+        for handle in self.__dict__.pop("_attention_deltas", []):
+            handle.remove()
+
+    def remove_attention_hooks(self) -> None:
+        """Detach from the attention module (unload, merge): no hook of ours stays behind on the base model."""
+        for handle in self._attention_hooks:
+            handle.remove()
+        self._attention_hooks = []
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def _current_adapter(self) -> str | None:
@@ -176,11 +240,12 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         FFN's forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode
         uni, a token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
+        dropout = self.ubmoe_dropout[adapter]
         handles = [
             self.base_layer.get_submodule(_module_name(key)).register_forward_hook(
-                functools.partial(_lora_delta, self, adapter, key, scale)
+                functools.partial(_lora_delta, a, self.ubmoe_lora_B[adapter][key], dropout, scale)
             )
-            for key in self.ubmoe_lora_A[adapter]
+            for key, a in self.ubmoe_lora_A[adapter].items()
         ]
         try:
             return self.base_layer(x)
@@ -288,6 +353,35 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 self.base_layer.get_submodule(name).weight.copy_(weights[name])
         return self.base_layer
 
+    def attention_weights(self, adapter: str, check_finite: bool = False) -> dict[str, torch.Tensor]:
+        """{projection name in the attention: ``W + scale * B A``} (fp32 math, the base's dtype) for the mode-bi
+        attention adapter; empty without one. Nothing is written."""
+        if adapter not in self.ubmoe_attn_A:
+            return {}
+        weights = {}
+        for key, a in self.ubmoe_attn_A[adapter].items():
+            proj = self._attention.get_submodule(_module_name(key))
+            if is_quantized_linear(proj):
+                raise ValueError(
+                    f"Cannot merge layer {self.layer_idx}'s attention adapter into the quantized {_module_name(key)}; "
+                    "load the base model without quantization, load the adapter onto it, then merge."
+                )
+            delta = (self.ubmoe_attn_B[adapter][key].weight @ a.weight).float() * self.attention_scaling[adapter]
+            weights[_module_name(key)] = (proj.weight.detach().float() + delta).to(proj.weight.dtype)  # (out, in)
+        if check_finite and not all(bool(torch.isfinite(w).all()) for w in weights.values()):
+            raise ValueError(
+                f"The attention adapter of {adapter!r} has NaN/inf weights in layer {self.layer_idx} (safe_merge=True "
+                "checked before changing any weight); the adapter is broken."
+            )
+        return weights
+
+    def merge_attention(self, weights: dict[str, torch.Tensor]) -> None:
+        """Write ``attention_weights(...)`` into the attention projections (the bi merge; the attention is then
+        the bidirectional model's for good)."""
+        with torch.no_grad():
+            for name, weight in weights.items():
+                self._attention.get_submodule(name).weight.copy_(weight)
+
     # ---- PEFT protocol ------------------------------------------------------------------------------------------
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise merge_unsupported()
@@ -296,8 +390,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         raise NotImplementedError("UBMoE adapters are never merged, so there is nothing to unmerge.")
 
     def expert_parameters(self, adapter: str) -> list[nn.Parameter]:
-        """Parameters of the bi expert of ``adapter``."""
-        mods = [d[adapter] for d in (self.ubmoe_lora_A, self.ubmoe_lora_B, self.ubmoe_copy) if adapter in d]
+        """Parameters of the bi expert of ``adapter`` (and of its mode-bi attention adapter, if any)."""
+        experts = (self.ubmoe_lora_A, self.ubmoe_lora_B, self.ubmoe_copy, self.ubmoe_attn_A, self.ubmoe_attn_B)
+        mods = [d[adapter] for d in experts if adapter in d]
         return [p for m in mods for p in m.parameters()]
 
     def router_parameters(self, adapter: str) -> list[nn.Parameter]:

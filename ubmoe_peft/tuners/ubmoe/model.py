@@ -12,6 +12,7 @@ from torch import nn
 
 from ...architectures import (
     FFN_MODULES,
+    attention_module,
     decoder_layers,
     default_ffn_target,
     layer_index,
@@ -80,7 +81,9 @@ class UBMoEModel(BaseTuner):
             getattr(text_config(self.model), "hidden_size", None)
             or next(iter(linear_projections(target).values())).in_features
         )
-        new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, layer_index(current_key) or 0, hidden)
+        index = layer_index(current_key) or 0
+        attention = attention_module(parent)  # kept even without an attention adapter: a later adapter may add one
+        new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, index, hidden, attention=attention)
         if adapter_name not in self.active_adapters:
             new.requires_grad_(False)
         self._replace_module(parent, target_name, new, target)
@@ -205,7 +208,10 @@ class UBMoEModel(BaseTuner):
             return export_moe(self.model, adapter, check_finite=safe_merge)
         layers = [m for m in self.model.modules() if isinstance(m, UBMoELayer) and adapter in m.ubmoe_router]
         weights = {id(layer): layer.bi_weights(adapter, check_finite=safe_merge) for layer in layers}  # all checks
+        attention = {id(layer): layer.attention_weights(adapter, check_finite=safe_merge) for layer in layers}
         merged = {id(layer): layer.bi_ffn(adapter, weights[id(layer)]) for layer in layers}
+        for layer in layers:
+            layer.merge_attention(attention[id(layer)])
         model = self._unwrap(lambda layer: merged.get(id(layer), layer.base_layer))
         for config in {id(c): c for c in (getattr(model, "config", None), text_config(model)) if c}.values():
             config.is_causal = False  # masking_utils: a bidirectional mask for every attention implementation
@@ -240,6 +246,7 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_hooks.clear()
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
+                module.remove_attention_hooks()
                 new = replacement(module)
             elif hasattr(module, "unload_and_optionally_merge_module"):  # PEFT's modules_to_save wrapper
                 new = module.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
@@ -358,6 +365,8 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
                 f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside, so UBMoE cannot build "
                 "experts for it. Target the FFN module of the decoder layers."
             )
+        if config.attention_r:
+            _check_attention(config, name, layers)
         if config.expert_type == "lora":
             for proj_name, proj in projections.items():
                 if config.r > min(proj.in_features, proj.out_features):
@@ -365,3 +374,22 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
                         f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
                         f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
                     )
+
+
+def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str, nn.Module]]) -> None:
+    """The mode-bi attention adapter needs the FFN's decoder layer to have a self-attention with linear layers the
+    rank fits; checked before anything is built."""
+    index = layer_index(ffn_name)
+    attention = attention_module(layers[index][1]) if index is not None and index < len(layers) else None
+    if attention is None:
+        raise ValueError(
+            f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the decoder layer "
+            f"of {ffn_name!r} has no self-attention module named 'self_attn', 'attention' or 'attn' with linear "
+            "layers. Use attention_r=0."
+        )
+    for proj_name, proj in linear_projections(attention).items():
+        if config.attention_r > min(proj.in_features, proj.out_features):
+            raise ValueError(
+                f"UBMoEConfig(attention_r={config.attention_r}) is larger than the attention's {proj_name} "
+                f"({proj.in_features} -> {proj.out_features}); use a rank of at most min(in, out)."
+            )
