@@ -143,6 +143,13 @@ def main() -> None:
     parser.add_argument(
         "--whole-repeats", type=int, default=3, help="timed rounds of whole generate() calls (informational rows)"
     )
+    parser.add_argument(
+        "--attention-r",
+        type=int,
+        default=0,
+        help="also time a LoRA model with a mode-bi attention adapter of this rank (mode moe never uses it, so this "
+        "measures only its hooks' cost)",
+    )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     build = dict(shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype)
@@ -150,6 +157,9 @@ def main() -> None:
     for kind in ("lora", "copy"):
         models[kind] = wrap(build_model(**build), kind)
         set_share(models[kind], args.share)
+    if args.attention_r:
+        models["lora+attention"] = wrap(build_model(**build), "lora", attention_r=args.attention_r)
+        set_share(models["lora+attention"], args.share)
 
     rows = []
     for batch in args.batches:
