@@ -48,16 +48,24 @@ import ubmoe_peft
 TARGET = 0.95
 
 
-def decode_share(model: nn.Module, generate: Any) -> float:
-    """Mean bi share over every mode-moe forward (prefill and each decode step) of one generation, layer 0 hooked."""
-    layer = ubmoe_peft.modes.ubmoe_layers(model)[0]
-    seen: list[float] = []
-    handle = layer.register_forward_hook(lambda m, a, o: seen.append(ubmoe_peft.routing_stats(model)[m.layer_idx]))
+def decode_share(model: nn.Module, generate: Any) -> dict[str, float]:
+    """Over every mode-moe forward of one generation (prefill and each decode step): the mean bi share over layers,
+    and the share of (layer, forward) pairs whose tokens went to both experts (a copy expert then reads both FFNs)."""
+    last = ubmoe_peft.modes.ubmoe_layers(model)[-1]
+    shares: list[float] = []
+    mixed: list[bool] = []
+
+    def record(*_: Any) -> None:
+        per_layer = list(ubmoe_peft.routing_stats(model).values())
+        shares.extend(per_layer)
+        mixed.extend(0.0 < share < 1.0 for share in per_layer)
+
+    handle = last.register_forward_hook(record)
     try:
         generate()
     finally:
         handle.remove()
-    return sum(seen) / max(len(seen), 1)
+    return {"mean": sum(shares) / max(len(shares), 1), "mixed_layer_steps": sum(mixed) / max(len(mixed), 1)}
 
 
 class Lockstep:
@@ -134,6 +142,47 @@ def lockstep_times(calls: dict[str, Any], warmup: int, repeats: int, device: str
     return list(cases.values())
 
 
+def random_models(args: Any) -> dict[str, nn.Module]:
+    """The base model and LoRA / copy UBMoE models of a random SmolLM2-shaped model, routers steered to ``--share``."""
+    build = dict(shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype)
+    models: dict[str, nn.Module] = {"base": build_model(**build)}
+    for kind in ("lora", "copy"):
+        models[kind] = wrap(build_model(**build), kind)
+        set_share(models[kind], args.share)
+    if args.attention_r:
+        models["lora+attention"] = wrap(build_model(**build), "lora", attention_r=args.attention_r)
+        set_share(models["lora+attention"], args.share)
+    return models
+
+
+def real_models(adapters: list[str], device: str) -> dict[str, nn.Module]:
+    """The real SmolLM2-135M-Instruct, and one copy of it per trained adapter (named by its expert type)."""
+    from peft import PeftModel
+
+    from ubmoe_peft.smollm2 import load_smollm2
+
+    models: dict[str, nn.Module] = {"base": load_smollm2()[0].to(device)}
+    for folder in adapters:
+        model = PeftModel.from_pretrained(load_smollm2()[0].to(device), folder).eval()
+        models[f"{model.peft_config['default'].expert_type} (trained)"] = model
+    return models
+
+
+def chat_prompts(batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` user questions of the demo chats in SmolLM2's chat template, left-padded: (ids, mask), (B, P)."""
+    from ubmoe_peft.data import load_rows
+    from ubmoe_peft.smollm2 import load_smollm2_tokenizer
+
+    tokenizer = load_smollm2_tokenizer()
+    tokenizer.padding_side = "left"
+    chats = load_rows(None, "sft").shuffle(seed=0).select(range(batch))  # the first held-out chats of the demo
+    texts = [
+        tokenizer.apply_chat_template(c["messages"][:1], add_generation_prompt=True, tokenize=False) for c in chats
+    ]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -144,6 +193,13 @@ def main() -> None:
         "--whole-repeats", type=int, default=3, help="timed rounds of whole generate() calls (informational rows)"
     )
     parser.add_argument(
+        "--adapters",
+        nargs="+",
+        default=None,
+        help="saved UBMoE adapter folders of the real SmolLM2-135M-Instruct (e.g. from `ubmoe demo`): time them on "
+        "the real model with the demo's chat prompts and their trained routers, instead of the random model",
+    )
+    parser.add_argument(
         "--attention-r",
         type=int,
         default=0,
@@ -152,24 +208,23 @@ def main() -> None:
     )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
-    build = dict(shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype)
-    models: dict[str, nn.Module] = {"base": build_model(**build)}
-    for kind in ("lora", "copy"):
-        models[kind] = wrap(build_model(**build), kind)
-        set_share(models[kind], args.share)
-    if args.attention_r:
-        models["lora+attention"] = wrap(build_model(**build), "lora", attention_r=args.attention_r)
-        set_share(models["lora+attention"], args.share)
+    models = real_models(args.adapters, args.device) if args.adapters else random_models(args)
 
     rows = []
     for batch in args.batches:
-        ids = token_batch(batch, args.prompt, models["base"].config.vocab_size, args.device)  # (B, P)
+        if args.adapters:
+            ids, mask = chat_prompts(batch, args.device)  # (B, P), left-padded real questions
+        else:
+            ids = token_batch(batch, args.prompt, models["base"].config.vocab_size, args.device)  # (B, P)
+            mask = torch.ones_like(ids)  # (B, P)
 
-        def generate(model: nn.Module, criteria: list | None = None, ids: torch.Tensor = ids) -> Any:
+        def generate(
+            model: nn.Module, criteria: list | None = None, ids: torch.Tensor = ids, mask: torch.Tensor = mask
+        ) -> Any:
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
+                    attention_mask=mask,
                     do_sample=False,
                     max_new_tokens=args.new_tokens,
                     min_new_tokens=args.new_tokens,
@@ -204,13 +259,14 @@ def main() -> None:
                         stats,
                         f">= {TARGET}" if judged else "informational",
                         stats["ratio"] >= TARGET if judged else None,
-                        bi_share={"mean": shares[case.name]},
+                        bi_share=shares[case.name],
                     )
                 )
     result = {
         "name": "decode",
         "machine": machine() | {"torch_threads": threads},
         "config": vars(args) | {"out": None, "layers": models["base"].config.num_hidden_layers},
+        "model": "SmolLM2-135M-Instruct with trained adapters" if args.adapters else "random, routers steered",
         "timing": "generate() calls in lockstep; rows 'whole calls': whole generate() calls round-robin",
         "rows": rows,
     }

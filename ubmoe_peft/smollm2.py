@@ -26,18 +26,26 @@ def smollm2_dir() -> Path:
 
 def load_smollm2(dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
     """Load (model, tokenizer). The model is plain float and can `save_pretrained` (GGUF markers are cleared)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = smollm2_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    tokenizer = load_smollm2_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=GGUF_FILE, dtype=dtype, attn_implementation=attn_implementation
     )
     clear_gguf_markers(model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def load_smollm2_tokenizer():
+    """SmolLM2's tokenizer (with its chat template), with the EOS token as padding."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=GGUF_FILE)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def clear_gguf_markers(model) -> None:
