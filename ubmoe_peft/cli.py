@@ -97,6 +97,11 @@ def _adapter_args() -> type:
 AdapterArgs = _adapter_args()
 
 
+def default_device() -> str:
+    """'cuda' when a CUDA device is there, else 'cpu'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | None = None) -> tuple[Any, Any]:
     """(UBMoE PeftModel, tokenizer): ``args.adapter`` loaded, else a new adapter from ``new_adapter`` settings."""
     from peft import PeftModel, get_peft_model
@@ -116,7 +121,7 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
             clear_gguf_markers(model)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-    model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model.to(args.device or default_device())
     if args.adapter is not None:
         model = PeftModel.from_pretrained(model, args.adapter, is_trainable=trainable)
     else:
@@ -268,26 +273,25 @@ def demo(args: Any) -> str:
     return run_demo(args)
 
 
-def _demo_args() -> type:
-    from .demo import DemoArgs
+def _lazy(module: str, name: str) -> Callable[[], type]:
+    """A zero-argument callable importing ``ubmoe_peft.<module>.<name>``: the training extras load only when used."""
 
-    return DemoArgs
-
-
-def _training(name: str) -> Callable[[], type]:
     def get() -> type:
-        from . import trainers
+        import importlib
 
-        return getattr(trainers, name)
+        return getattr(importlib.import_module(f"ubmoe_peft.{module}"), name)
 
     return get
 
 
 # command -> (function, its argument dataclasses, or zero-argument callables that import them lazily)
 COMMANDS: dict[str, tuple[Callable[..., Any], Sequence[Any]]] = {
-    "demo": (demo, [_demo_args]),
-    "train-contrastive": (train_contrastive, [ModelArgs, DataArgs, AdapterArgs, _training("ContrastiveConfig")]),
-    "train-router": (train_router, [ModelArgs, DataArgs, _training("RouterConfig")]),
+    "demo": (demo, [_lazy("demo", "DemoArgs")]),
+    "train-contrastive": (
+        train_contrastive,
+        [ModelArgs, DataArgs, AdapterArgs, _lazy("trainers", "ContrastiveConfig")],
+    ),
+    "train-router": (train_router, [ModelArgs, DataArgs, _lazy("trainers", "RouterConfig")]),
     "eval-sts": (eval_sts, [ModelArgs, DataArgs, EvalArgs, EmbedArgs]),
     "eval-lm": (eval_lm, [ModelArgs, DataArgs, EvalArgs]),
     "dependence": (dependence, [ModelArgs, DataArgs, EvalArgs]),

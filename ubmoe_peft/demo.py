@@ -88,6 +88,7 @@ def _losses(trainer: Any) -> list[float]:
 def run_demo(args: DemoArgs) -> str:
     from peft import get_peft_model
 
+    from .cli import default_device
     from .smollm2 import load_smollm2
     from .trainers import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer
     from .tuners.ubmoe.config import UBMoEConfig
@@ -111,7 +112,7 @@ def run_demo(args: DemoArgs) -> str:
         "texts": texts_of(load_rows(str(DEMO_DATA / "triplets.jsonl"), "texts"))[: args.dependence_texts],
     }
     base, tokenizer = load_smollm2()
-    base.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base.to(args.device or default_device())
     model = get_peft_model(base, UBMoEConfig(expert_type=args.expert_type, attention_r=args.attention_r))
     lap("load SmolLM2-135M-Instruct")
 

@@ -10,8 +10,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -52,12 +52,8 @@ def sts_spearman(
         similarity_fn_names=["cosine"],
         write_csv=False,
     )
-    was_training = model.training
-    model.eval()
-    try:
+    with _evaluating(model):
         return 100 * float(evaluator(st)[evaluator.primary_metric])
-    finally:
-        model.train(was_training)
 
 
 def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
@@ -113,6 +109,17 @@ def _continuation_logprobs(
             end = len(seq) - 1
             out.append((float(targets[row, end - n_cont[row] : end].sum()), n_cont[row]))
     return out
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) for the block; the model's training flag is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _in_mode(model: nn.Module, mode: str | None):
@@ -185,10 +192,5 @@ def _score(
 ) -> list[tuple[float, int]]:
     """`_continuation_logprobs` in eval mode and in ``mode``; the model's training flag and mode are restored."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    was_training = model.training
-    model.eval()
-    try:
-        with _in_mode(model, mode):
-            return _continuation_logprobs(model, pairs, int(pad or 0), batch_size, max_length)
-    finally:
-        model.train(was_training)
+    with _evaluating(model), _in_mode(model, mode):
+        return _continuation_logprobs(model, pairs, int(pad or 0), batch_size, max_length)

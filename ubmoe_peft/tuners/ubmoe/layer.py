@@ -183,8 +183,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             ]
 
     def _attention_on(self, module: nn.Module, args: tuple) -> None:
+        if self._state.spec.ffn != "bi":  # modes uni and moe (every decode step): return before anything else
+            return
         adapter = self._current_adapter()
-        if adapter is None or self._state.spec.ffn != "bi" or adapter not in self.ubmoe_attn_A:
+        if adapter is None or adapter not in self.ubmoe_attn_A:
             return
         dropout, scale = self.ubmoe_dropout[adapter], self.attention_scaling[adapter]
         self._attention_deltas = [
