@@ -258,6 +258,80 @@ def test_lora_hooks_exist_only_during_a_routed_call():
     assert seen and max(seen) == 2 and seen[0] == 1  # the probe alone in mode uni, probe + delta hook while routed
 
 
+def test_router_hooks_see_every_routing_decision():
+    """Routers are called as modules where someone listens (aux losses, monitoring), as plain math otherwise."""
+    model, _ = wrap("llama", "lora")
+    perturb_adapters(model)
+    router = layers(model)[0].ubmoe_router["default"]
+    seen = []
+    handle = router.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    ids, mask = batch()
+    logits(model, ids, mask)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    handle.remove()
+    assert seen == [(3, 9, 2), (3, 9, 2), (3, 1, 2)]  # a forward, then generate's prefill and one decode step
+
+
+GATED_MLP_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]  # LlamaMLP's forward; phi3 fuses gate_up
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_written_out_gated_mlp_equals_the_hook_path(arch, dtype):
+    """At inference the gated MLP runs written out, without temporary hooks: the hook path's outputs for an all-bi
+    float scale and a per-row column, rows scaled by 0 bit-identical to the base FFN; other FFNs keep the hooks."""
+    base = tiny_model(arch, dtype=dtype)
+    model = get_peft_model(base, UBMoEConfig(expert_type="lora")).eval()
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(3, 5, 32, dtype=dtype)  # (B, T, C)
+    scale = layer.scaling["default"]
+    to_bi = torch.arange(15) % 3 == 0  # (N,)
+    scales = [scale, to_bi.view(-1, 1) * scale]  # float; (N, 1) column
+    with torch.no_grad():
+        fast = [layer._written_out_lora_ffn("default", x, s) for s in scales]
+        handle = layer.base_layer.register_forward_pre_hook(lambda module, args: None)  # any hook: the generic path
+        hooked = [layer._lora_ffn("default", x, s) for s in scales]
+        handle.remove()
+        uni = layer.base_layer(x)  # (B, T, C)
+    if arch not in GATED_MLP_ARCHS:
+        assert fast == [None, None]
+        return
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for out, reference in zip(fast, hooked, strict=True):
+        torch.testing.assert_close(out, reference, **tol)
+    rows_uni = ~to_bi.view(3, 5)  # (B, T)
+    assert torch.equal(fast[1][rows_uni], uni[rows_uni])
+    assert (fast[0].float() - uni.float()).abs().max() > 1e-2  # the deltas were added
+
+
+def test_written_out_gated_mlp_is_taken_only_where_it_applies():
+    model, _ = wrap("llama", "lora", lora_dropout=0.1)
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(2, 4, 32)  # (B, T, C)
+    with torch.no_grad():
+        assert layer._written_out_lora_ffn("default", x, 1.0) is not None  # eval: dropout inactive
+        model.train()
+        assert layer._written_out_lora_ffn("default", x, 1.0) is None  # active dropout: the hook path applies it
+        model.eval()
+        ffn = layer.base_layer
+        ffn.up_proj.forward = ffn.up_proj.forward  # a replaced forward, as accelerate's offloading hooks install
+        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+        del ffn.up_proj.forward
+        handle = ffn.act_fn.register_forward_hook(lambda module, args, out: None)
+        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+        handle.remove()
+        ffn.down_proj = torch.nn.Sequential(ffn.down_proj)  # no longer a plain linear
+        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+    taken = []
+    original = layer._written_out_lora_ffn
+    layer._written_out_lora_ffn = lambda *args: taken.append(1) or original(*args)
+    ubmoe_peft.set_mode(model, "bi")
+    layer(x).sum().backward()  # training records a graph: the hook path, never the written-out one
+    assert taken == []
+
+
 @pytest.mark.parametrize("expert", EXPERTS)
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_router_gets_gradient(expert, top_k):

@@ -66,24 +66,63 @@ def _lora_delta(
     """
     # Weights are used functionally (F.linear) and dropout only when it is active: at decode sizes the per-call
     # overhead of module calls, not the rank-r matmuls, was the hook's cost (docs/performance.md).
-    a_weight, b_weight = a.weight, b.weight  # (r, C_in), (C_out, r)
     x = args[0].reshape(-1, args[0].shape[-1])  # (N, C_in)
-    if x.dtype != a_weight.dtype:
-        x = x.to(a_weight.dtype)
     if dropout.training:
-        x = dropout(x)  # (N, C_in)
-    # Scale the rank-r side, not the (N, C_out) delta: elementwise passes over wide tensors, not the LoRA matmuls, were
-    # the LoRA expert's prefill overhead. A zero-scaled row costs a rank-r product, far less than the gather of the
-    # routed rows and the scatter of their deltas it replaces (benchmarks/bench_prefill.py, docs/performance.md).
-    h = F.linear(x, a_weight) * scale  # (N, r)
+        x = dropout(x.to(a.weight.dtype))  # (N, C_in)
     flat = out.reshape(-1, out.shape[-1])  # (N, C_out)
-    inplace = not torch.is_grad_enabled()  # no graph to keep: add into the projection's fresh output, no new tensor
-    if b_weight.dtype == flat.dtype:  # (C_out, r)
-        fused = flat.addmm_(h, b_weight.t()) if inplace else torch.addmm(flat, h, b_weight.t())  # (N, C_out)
+    return _add_lora(flat, x, a.weight, b.weight, scale).view(out.shape)
+
+
+def _add_lora(
+    out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float | torch.Tensor
+) -> torch.Tensor:
+    """``out + scale * x A^T B^T`` for out (N, C_out), x (N, C_in), A (r, C_in), B (C_out, r); written into ``out``
+    when no graph is recorded. ``scale`` is a float or an (N, 1) column (see `_lora_delta`)."""
+    h = F.linear(x if x.dtype == a.dtype else x.to(a.dtype), a)  # (N, r)
+    alpha = 1.0
+    if isinstance(scale, torch.Tensor) or b.dtype != out.dtype:
+        # Scale the rank-r side, not the (N, C_out) delta: elementwise passes over wide tensors, not the LoRA matmuls,
+        # were the LoRA expert's prefill overhead. A zero-scaled row costs a rank-r product, far less than the gather
+        # of the routed rows and the scatter of their deltas it replaces (bench_prefill.py, docs/performance.md).
+        h = h * scale  # (N, r)
     else:
-        delta = F.linear(h, b_weight).to(flat.dtype)  # (N, C_out)
-        fused = flat.add_(delta) if inplace else flat + delta  # (N, C_out)
-    return fused.view(out.shape)
+        alpha = scale  # a float scale rides on the matmul: one small op fewer per projection (decode)
+    inplace = not torch.is_grad_enabled()  # no graph to keep: add into the projection's fresh output, no new tensor
+    if b.dtype == out.dtype:
+        return out.addmm_(h, b.t(), alpha=alpha) if inplace else torch.addmm(out, h, b.t(), alpha=alpha)  # (N, C_out)
+    delta = F.linear(h, b).to(out.dtype)  # (N, C_out)
+    return out.add_(delta) if inplace else out + delta  # (N, C_out)
+
+
+def _is_gated_mlp(ffn: nn.Module) -> bool:
+    """Whether ``ffn`` is the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and others:
+    plain ``gate_proj``/``up_proj``/``down_proj`` linears, an ``act_fn`` and LlamaMLP's very forward (same bytecode,
+    so a subclass that changes the computation is not taken for one)."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    forward, reference = type(ffn).forward.__code__, LlamaMLP.forward.__code__
+    same_code = (forward.co_code, forward.co_names, forward.co_consts) == (
+        reference.co_code,
+        reference.co_names,
+        reference.co_consts,
+    )
+    return same_code and all(type(getattr(ffn, name, None)) is nn.Linear for name in GATED_MLP[:3])
+
+
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def _intercepted(module: nn.Module) -> bool:
+    """Whether calling ``module`` does more than its forward: its own or global forward hooks, or a forward replaced
+    on the instance (accelerate's offloading). Where it does, we call the module instead of its math."""
+    hooks = nn.modules.module  # the global hooks, as Module.__call__ itself checks them
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or "forward" in module.__dict__
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+    )
 
 
 class UBMoELayer(nn.Module, BaseTunerLayer):
@@ -124,6 +163,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self._state = state
         self.layer_idx = layer_idx
         self.hidden_size = hidden_size
+        self._gated_mlp = _is_gated_mlp(base_layer)  # `_written_out_lora_ffn` applies
         self.update_layer(adapter_name, config)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -242,6 +282,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         FFN's forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode
         uni, a token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
+        if self._gated_mlp and not torch.is_grad_enabled():
+            out = self._written_out_lora_ffn(adapter, x, scale)
+            if out is not None:
+                return out
         dropout = self.ubmoe_dropout[adapter]
         handles = [
             self.base_layer.get_submodule(_module_name(key)).register_forward_hook(
@@ -255,15 +299,47 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             for handle in handles:
                 handle.remove()
 
+    def _written_out_lora_ffn(self, adapter: str, x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor | None:
+        """`_lora_ffn` for the gated MLP (`_is_gated_mlp`) at inference, the MLP's forward written out with the
+        deltas inline; None where it does not apply (active dropout; any hook or replaced forward on the MLP, its
+        projections or its activation, e.g. accelerate's offloading; a projection that is no longer a plain linear).
+
+        Why by hand: at decode sizes the three temporary hooks cost about as much as the FFN's own work. Registering,
+        dispatching and removing them and the extra module calls added ~150 us per layer and step on a CPU, where
+        this path adds ~30 us (docs/performance.md); the generic hooks stay for every other FFN and for training.
+        Outputs are those of the hook path; rows scaled by 0 stay bit-identical to the base FFN's.
+        """
+        ffn = self.base_layer
+        gate, up, down, act = (ffn._modules.get(name) for name in GATED_MLP)
+        modules = (ffn, gate, up, down, act)
+        if self.ubmoe_dropout[adapter].training or not all(type(m) is nn.Linear for m in (gate, up, down)):
+            return None
+        if not isinstance(act, nn.Module) or any(_intercepted(m) for m in modules):
+            return None
+        lora_a, lora_b = self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter]
+
+        def project(proj: nn.Linear, name: str, inputs: torch.Tensor) -> torch.Tensor:
+            out = F.linear(inputs, proj.weight, proj.bias)  # (N, C_out)
+            if name in lora_a:
+                out = _add_lora(out, inputs, lora_a[name].weight, lora_b[name].weight, scale)  # (N, C_out)
+            return out
+
+        flat = x.reshape(-1, x.shape[-1])  # (N, C)
+        hidden = act(project(gate, "gate_proj", flat)) * project(up, "up_proj", flat)  # (N, I)
+        return project(down, "down_proj", hidden).view(*x.shape[:-1], -1)  # (B, T, C)
+
     def router_logits(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """Router logits in the router's dtype (fp32 by default), also under bf16/fp16 autocast: (B, T, 2)."""
-        router = self.ubmoe_router[adapter]  # called as a module: forward hooks on routers (aux losses) see it
+        router = self.ubmoe_router[adapter]
         if x.dtype != router.weight.dtype:
             x = x.to(router.weight.dtype)
+        # A module call only where someone listens (aux-loss hooks on routers): at decode sizes the call costs more
+        # than the (N, C) x (C, 2) product.
+        route = router if _intercepted(router) else functools.partial(F.linear, weight=router.weight)
         if not torch.is_autocast_enabled(x.device.type):  # entering a context per layer and token costs ~30 us
-            return router(x)  # (B, T, 2)
+            return route(x)  # (B, T, 2)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return router(x)  # (B, T, 2)
+            return route(x)  # (B, T, 2)
 
     def _moe(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(adapter, x)  # (B, T, 2)
