@@ -19,6 +19,7 @@ whole call keeps one model's 200 MB warm in this machine's 300 MB L3 for its 128
 
 from __future__ import annotations
 
+import copy
 import statistics
 import threading
 import time
@@ -46,6 +47,7 @@ from transformers import StoppingCriteria
 import ubmoe_peft
 
 TARGET = 0.95
+CONTROL = "base, second copy (A/A control)"
 
 
 def decode_share(model: nn.Module, generate: Any) -> dict[str, float]:
@@ -200,6 +202,12 @@ def main() -> None:
         "the real model with the demo's chat prompts and their trained routers, instead of the random model",
     )
     parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second copy of the base model (an A/A control row): how far two identical models read "
+        "apart in this run, from memory placement and machine noise alone",
+    )
+    parser.add_argument(
         "--attention-r",
         type=int,
         default=0,
@@ -209,6 +217,8 @@ def main() -> None:
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     models = real_models(args.adapters, args.device) if args.adapters else random_models(args)
+    if args.control:
+        models[CONTROL] = copy.deepcopy(models["base"])  # the same weights in freshly allocated memory
 
     rows = []
     for batch in args.batches:
@@ -236,7 +246,7 @@ def main() -> None:
                 raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, not {args.new_tokens}")
             return out
 
-        shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k != "base"}
+        shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k not in ("base", CONTROL)}
         calls = {kind: lambda criteria, m=model: generate(m, criteria) for kind, model in models.items()}
         timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:
@@ -248,6 +258,7 @@ def main() -> None:
             for case in cases[1:]:
                 stats = ratio_stats(base_case, case)  # tokens/s ratio = t_base / t_case
                 tps = batch * args.new_tokens / statistics.median(case.times)
+                judged_case = judged and case.name != CONTROL
                 rows.append(
                     row(
                         "decode",
@@ -257,9 +268,9 @@ def main() -> None:
                         "base",
                         base_tps,
                         stats,
-                        f">= {TARGET}" if judged else "informational",
-                        stats["ratio"] >= TARGET if judged else None,
-                        bi_share=shares[case.name],
+                        f">= {TARGET}" if judged_case else "informational",
+                        stats["ratio"] >= TARGET if judged_case else None,
+                        bi_share=shares.get(case.name),
                     )
                 )
     result = {

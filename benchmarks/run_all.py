@@ -60,7 +60,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     for result in results:
         for r in result["rows"]:
             spread = f"{fmt(r['ratio_q1'])}-{fmt(r['ratio_q3'])}" if "ratio_q1" in r else "-"
-            share = r.get("bi_share", {}).get("mean")
+            share = (r.get("bi_share") or {}).get("mean")
             lines.append(
                 f"| {r['benchmark']} | {r['case']} | {r['metric']} | {fmt(r['value'], 1)} | {r['baseline']} | "
                 f"{fmt(r['baseline_value'], 1)} | {fmt(r['ratio'])} | {spread} | {fmt(r.get('ratio_best'))} | "

@@ -1,0 +1,107 @@
+"""Diagnostic: what one wrapped FFN costs per decoder layer and decode step, written out or through hooks.
+
+Decode-sized inputs ((B, 1, C), batch 1 and 8) go through the FFN of every decoder layer of a SmolLM2-135M-shaped
+model (30 layers by default) in turn, so each call reads its layer's weights from memory as a decode step does.
+Cases per batch and route (every token to uni, every token to bi, or half and half): the base FFN (baseline), the
+UBMoE layer with the LoRA expert as it runs at inference (the gated MLP written out, `_written_out_lora_ffn`), and
+the same layer forced onto the generic path (temporary hooks on the projections). Routes are forced by pointing the
+routers along one direction and choosing the inputs' signs on it. Figures: per-layer time, the base FFN's time over
+the case's (a throughput ratio, paired per round) and the overhead in microseconds per layer and step. No target:
+it explains the decode rows of bench_decode.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from common import Case, base_parser, build_model, emit, machine, paired_times, pin_threads, ratio_stats, row, wrap
+
+import ubmoe_peft
+
+PASSES = 10  # passes over all layers per timed round
+
+
+def forced_input(batch: int, route: str, direction: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """(B, 1, C) inputs whose projection on ``direction`` (the routers' bi-minus-uni row) has the sign ``route``
+    asks for: positive routes to bi, negative to uni; "mixed" alternates."""
+    x = torch.randn(batch, 1, direction.numel(), generator=gen)  # (B, 1, C)
+    sign = torch.sign(x[:, 0] @ direction)  # (B,)
+    want = {
+        "uni": -torch.ones(batch),
+        "bi": torch.ones(batch),
+        "mixed": torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch)]),
+    }[route]  # (B,)
+    return x * (sign * want).view(batch, 1, 1)  # (B, 1, C)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.set_defaults(repeats=15)
+    args = parser.parse_args()
+    threads = pin_threads(args.threads)
+    model = wrap(build_model(args.shape, args.layers, args.device, args.dtype), "lora")
+    layers = ubmoe_peft.modes.ubmoe_layers(model)
+    gated = {id(layer): layer._gated_mlp for layer in layers}  # whether the FFN can run written out at all
+    gen = torch.Generator().manual_seed(0)
+    direction = torch.randn(layers[0].hidden_size, generator=gen)  # (C,)
+    with torch.no_grad():
+        for layer in layers:
+            layer.ubmoe_router["default"].weight.zero_()  # (2, C)
+            layer.ubmoe_router["default"].weight[1] = direction  # logit_bi - logit_uni = x . direction
+            for b in layer.ubmoe_lora_B["default"].values():
+                b.weight.normal_(std=0.01, generator=gen)  # a trained-looking, nonzero delta
+
+    def calls(x: torch.Tensor, base: bool, written_out: bool) -> Case:
+        def setup() -> None:
+            for layer in layers:
+                layer._gated_mlp = gated[id(layer)] and written_out  # False: the generic hook path
+
+        def run() -> None:
+            with torch.inference_mode():
+                for _ in range(PASSES):
+                    for layer in layers:
+                        (layer.base_layer if base else layer)(x)
+
+        name = "base FFN" if base else ("UBMoE, written out" if written_out else "UBMoE, hooks")
+        return Case(name, run, setup)
+
+    rows = []
+    per_layer = PASSES * len(layers)
+    for batch in args.batches:
+        for route in ("uni", "bi", "mixed") if batch > 1 else ("uni", "bi"):
+            x = forced_input(batch, route, direction, gen).to(args.device, getattr(torch, args.dtype))  # (B, 1, C)
+            cases = paired_times(
+                [calls(x, True, True), calls(x, False, True), calls(x, False, False)], args.warmup, args.repeats
+            )
+            base_us = statistics.median(cases[0].times) / per_layer * 1e6
+            for case in cases[1:]:
+                case_us = statistics.median(case.times) / per_layer * 1e6
+                rows.append(
+                    row(
+                        "layer",
+                        f"{case.name}, batch {batch}, {route}",
+                        "us per layer",
+                        case_us,
+                        "base FFN",
+                        base_us,
+                        ratio_stats(cases[0], case),  # t_base / t_case
+                        "informational",
+                        None,
+                        overhead_us=case_us - base_us,
+                    )
+                )
+    for layer in layers:
+        layer._gated_mlp = gated[id(layer)]
+    result = {
+        "name": "layer",
+        "machine": machine() | {"torch_threads": threads},
+        "config": vars(args) | {"out": None, "layers": len(layers), "passes": PASSES},
+        "rows": rows,
+    }
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
