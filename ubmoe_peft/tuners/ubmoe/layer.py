@@ -98,8 +98,10 @@ def _is_gated_mlp(ffn: nn.Module) -> bool:
     """Whether ``ffn`` is the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and others:
     plain ``gate_proj``/``up_proj``/``down_proj`` linears, an ``act_fn`` and LlamaMLP's very forward (same bytecode,
     so a subclass that changes the computation is not taken for one)."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
+    try:
+        from transformers.models.llama.modeling_llama import LlamaMLP
+    except ImportError:  # a transformers without it: every FFN keeps the generic hook path
+        return False
     forward, reference = type(ffn).forward.__code__, LlamaMLP.forward.__code__
     same_code = (forward.co_code, forward.co_names, forward.co_consts) == (
         reference.co_code,
