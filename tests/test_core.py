@@ -305,6 +305,16 @@ def test_written_out_gated_mlp_equals_the_hook_path(arch, dtype):
     assert (fast[0].float() - uni.float()).abs().max() > 1e-2  # the deltas were added
 
 
+def test_written_out_gated_mlp_with_a_subset_of_projections():
+    model, _ = wrap("qwen2", "lora", ffn_projections=["up_proj"])
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(2, 4, 32)  # (B, T, C)
+    with torch.no_grad():
+        fast = layer._written_out_lora_ffn("default", x, layer.scaling["default"])  # (B, T, C)
+        torch.testing.assert_close(fast, _merged_lora_ffn(layer)(x), rtol=1e-5, atol=1e-6)
+
+
 def test_written_out_gated_mlp_is_taken_only_where_it_applies():
     model, _ = wrap("llama", "lora", lora_dropout=0.1)
     perturb_adapters(model, std=0.1)
