@@ -53,7 +53,7 @@ def main() -> None:
             for b in layer.ubmoe_lora_B["default"].values():
                 b.weight.normal_(std=0.01, generator=gen)  # a trained-looking, nonzero delta
 
-    def calls(x: torch.Tensor, base: bool, written_out: bool) -> Case:
+    def case(x: torch.Tensor, base: bool, written_out: bool) -> Case:
         def setup() -> None:
             for layer in layers:
                 layer._gated_mlp = gated[id(layer)] and written_out  # False: the generic hook path
@@ -73,7 +73,7 @@ def main() -> None:
         for route in ("uni", "bi", "mixed") if batch > 1 else ("uni", "bi"):
             x = forced_input(batch, route, direction, gen).to(args.device, getattr(torch, args.dtype))  # (B, 1, C)
             cases = paired_times(
-                [calls(x, True, True), calls(x, False, True), calls(x, False, False)], args.warmup, args.repeats
+                [case(x, True, True), case(x, False, True), case(x, False, False)], args.warmup, args.repeats
             )
             base_us = statistics.median(cases[0].times) / per_layer * 1e6
             for case in cases[1:]:

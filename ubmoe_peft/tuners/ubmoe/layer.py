@@ -94,6 +94,9 @@ def _add_lora(
     return out.add_(delta) if inplace else out + delta  # (N, C_out)
 
 
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
 def _is_gated_mlp(ffn: nn.Module) -> bool:
     """Whether ``ffn`` is the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and others:
     plain ``gate_proj``/``up_proj``/``down_proj`` linears, an ``act_fn`` and LlamaMLP's very forward (same bytecode,
@@ -109,9 +112,6 @@ def _is_gated_mlp(ffn: nn.Module) -> bool:
         reference.co_consts,
     )
     return same_code and all(type(getattr(ffn, name, None)) is nn.Linear for name in GATED_MLP[:3])
-
-
-GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 def _intercepted(module: nn.Module) -> bool:
@@ -306,9 +306,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         deltas inline; None where it does not apply (active dropout; any hook or replaced forward on the MLP, its
         projections or its activation, e.g. accelerate's offloading; a projection that is no longer a plain linear).
 
-        Why by hand: at decode sizes the three temporary hooks cost about as much as the FFN's own work. Registering,
-        dispatching and removing them and the extra module calls added ~150 us per layer and step on a CPU, where
-        this path adds ~30 us (docs/performance.md); the generic hooks stay for every other FFN and for training.
+        Why by hand: at decode sizes, registering, dispatching and removing the three temporary hooks and the extra
+        module calls cost about as much as the deltas' own work. Over the base FFN, a step routed to bi took
+        +250 us per layer with hooks and +130 us with this path at batch 1 on a CPU (bench_layer.py,
+        docs/performance.md); the generic hooks stay for every other FFN and for training.
         Outputs are those of the hook path; rows scaled by 0 stay bit-identical to the base FFN's.
         """
         ffn = self.base_layer
