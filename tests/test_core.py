@@ -15,6 +15,8 @@ from peft.utils import PeftType
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, UBMoELayer
+from ubmoe_peft.tuners.ubmoe import layer as layer_module
+from ubmoe_peft.tuners.ubmoe.layer import _gated_mlp_forward
 
 MODES = ["uni", "bi", "moe"]
 
@@ -289,7 +291,7 @@ def test_written_out_gated_mlp_equals_the_hook_path(arch, dtype):
     to_bi = torch.arange(15) % 3 == 0  # (N,)
     scales = [scale, to_bi.view(-1, 1) * scale]  # float; (N, 1) column
     with torch.no_grad():
-        fast = [layer._written_out_lora_ffn("default", x, s) for s in scales]
+        fast = [_gated_mlp_forward(layer.base_layer, x, lora(layer, s)) for s in scales]
         handle = layer.base_layer.register_forward_pre_hook(lambda module, args: None)  # any hook: the generic path
         hooked = [layer._lora_ffn("default", x, s) for s in scales]
         handle.remove()
@@ -305,41 +307,88 @@ def test_written_out_gated_mlp_equals_the_hook_path(arch, dtype):
     assert (fast[0].float() - uni.float()).abs().max() > 1e-2  # the deltas were added
 
 
+def lora(layer: UBMoELayer, scale: float | torch.Tensor, adapter: str = "default") -> tuple:
+    return layer.ubmoe_lora_A[adapter], layer.ubmoe_lora_B[adapter], scale
+
+
 def test_written_out_gated_mlp_with_a_subset_of_projections():
     model, _ = wrap("qwen2", "lora", ffn_projections=["up_proj"])
     perturb_adapters(model, std=0.1)
     layer = layers(model)[0]
     x = torch.randn(2, 4, 32)  # (B, T, C)
     with torch.no_grad():
-        fast = layer._written_out_lora_ffn("default", x, layer.scaling["default"])  # (B, T, C)
+        fast = _gated_mlp_forward(layer.base_layer, x, lora(layer, layer.scaling["default"]))  # (B, T, C)
         torch.testing.assert_close(fast, _merged_lora_ffn(layer)(x), rtol=1e-5, atol=1e-6)
 
 
-def test_written_out_gated_mlp_is_taken_only_where_it_applies():
+def test_written_out_gated_mlp_is_taken_only_where_it_applies(monkeypatch):
     model, _ = wrap("llama", "lora", lora_dropout=0.1)
     perturb_adapters(model, std=0.1)
     layer = layers(model)[0]
+    ffn = layer.base_layer
     x = torch.randn(2, 4, 32)  # (B, T, C)
     with torch.no_grad():
-        assert layer._written_out_lora_ffn("default", x, 1.0) is not None  # eval: dropout inactive
-        model.train()
-        assert layer._written_out_lora_ffn("default", x, 1.0) is None  # active dropout: the hook path applies it
-        model.eval()
-        ffn = layer.base_layer
+        assert _gated_mlp_forward(ffn, x) is not None
         ffn.up_proj.forward = ffn.up_proj.forward  # a replaced forward, as accelerate's offloading hooks install
-        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+        assert _gated_mlp_forward(ffn, x) is None
         del ffn.up_proj.forward
         handle = ffn.act_fn.register_forward_hook(lambda module, args, out: None)
-        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+        assert _gated_mlp_forward(ffn, x) is None
         handle.remove()
-        ffn.down_proj = torch.nn.Sequential(ffn.down_proj)  # no longer a plain linear
-        assert layer._written_out_lora_ffn("default", x, 1.0) is None
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)  # global
+        assert _gated_mlp_forward(ffn, x) is None
+        handle.remove()
+        down = ffn.down_proj
+        ffn.down_proj = torch.nn.Sequential(down)  # no longer a plain linear
+        assert _gated_mlp_forward(ffn, x) is None
+        ffn.down_proj = down
     taken = []
-    original = layer._written_out_lora_ffn
-    layer._written_out_lora_ffn = lambda *args: taken.append(1) or original(*args)
+    original = layer_module._gated_mlp_forward
+    monkeypatch.setattr(layer_module, "_gated_mlp_forward", lambda *args: taken.append(len(args)) or original(*args))
+    with torch.no_grad():
+        layer._bi_expert("default", x)
+        layer._uni_expert(x)
+        assert taken == [3, 2]  # eval, no graph: the deltas inline, then the original FFN
+        model.train()
+        layer._bi_expert("default", x)  # active dropout: the hook path applies it
+        layer._uni_expert(x)  # no dropout on the original FFN
+        assert taken == [3, 2, 2]
     ubmoe_peft.set_mode(model, "bi")
-    layer(x).sum().backward()  # training records a graph: the hook path, never the written-out one
-    assert taken == []
+    layer(x).sum().backward()  # training records a graph: the module and hook paths, never the written-out one
+    assert taken == [3, 2, 2]
+
+
+@pytest.mark.parametrize("arch", GATED_MLP_ARCHS)
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_written_out_experts_at_inference_are_bit_identical(arch, expert):
+    """Top-1 at inference runs the original FFN (tokens routed to uni) and a copy expert written out: bit-identical
+    to calling the modules on the same rows, whether every token goes to one expert or the router splits them."""
+    base = tiny_model(arch)
+    model = get_peft_model(base, UBMoEConfig(expert_type=expert)).eval()
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    x = torch.randn(2, 3, 32)  # (B, T, C)
+    router = layer.ubmoe_router["default"].weight  # (2, C)
+    with torch.no_grad():
+        direction = router[1] - router[0]  # (C,)
+        signs = torch.sign(x @ direction)  # (B, T), routed to bi where positive
+        expert_ffn = layer.ubmoe_copy["default"] if expert == "copy" else _merged_lora_ffn(layer)
+        for route in (-1.0, 1.0, None):  # all to uni, all to bi, as the router says (mixed)
+            inputs = x * (signs * route).unsqueeze(-1) if route is not None else x  # (B, T, C)
+            to_bi = inputs @ direction > 0  # (B, T)
+            out = layer(inputs)  # (B, T, C)
+            if route is None:
+                assert 0 < int(to_bi.sum()) < to_bi.numel()
+                if expert == "lora":  # one FFN pass over every row, the deltas scaled by 0 on the uni rows
+                    assert torch.equal(out[~to_bi], layer.base_layer(inputs)[~to_bi])
+                    continue
+                flat, rows = inputs.reshape(-1, 32), to_bi.reshape(-1)  # (N, C), (N,)
+                for ffn, picked in ((layer.base_layer, ~rows), (expert_ffn, rows)):  # each FFN on its own rows
+                    assert torch.equal(out.reshape(-1, 32)[picked], ffn(flat[picked].unsqueeze(0)).squeeze(0))
+            elif route < 0 or expert == "copy":
+                assert torch.equal(out, (expert_ffn if route > 0 else layer.base_layer)(inputs))
+            else:
+                torch.testing.assert_close(out, expert_ffn(inputs), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("expert", EXPERTS)

@@ -98,33 +98,71 @@ GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 def _is_gated_mlp(ffn: nn.Module) -> bool:
-    """Whether ``ffn`` is the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and others:
-    plain ``gate_proj``/``up_proj``/``down_proj`` linears, an ``act_fn`` and LlamaMLP's very forward (same bytecode,
-    so a subclass that changes the computation is not taken for one)."""
+    """Whether ``ffn``'s class runs the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and
+    others: LlamaMLP's very forward (same bytecode, so a subclass that changes the computation is not taken for one).
+    Whether its projections are plain linears is checked at each call (`_gated_mlp_forward`): they can be swapped."""
     try:
         from transformers.models.llama.modeling_llama import LlamaMLP
-    except ImportError:  # a transformers without it: every FFN keeps the generic hook path
+    except ImportError:  # a transformers without it: every FFN keeps the generic paths
         return False
     forward, reference = type(ffn).forward.__code__, LlamaMLP.forward.__code__
-    same_code = (forward.co_code, forward.co_names, forward.co_consts) == (
+    return (forward.co_code, forward.co_names, forward.co_consts) == (
         reference.co_code,
         reference.co_names,
         reference.co_consts,
     )
-    return same_code and all(type(getattr(ffn, name, None)) is nn.Linear for name in GATED_MLP[:3])
 
 
-def _intercepted(module: nn.Module) -> bool:
-    """Whether calling ``module`` does more than its forward: its own or global forward hooks, or a forward replaced
-    on the instance (accelerate's offloading). Where it does, we call the module instead of its math."""
-    hooks = nn.modules.module  # the global hooks, as Module.__call__ itself checks them
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or "forward" in module.__dict__
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
+def _gated_mlp_forward(
+    ffn: nn.Module, x: torch.Tensor, lora: tuple[nn.ModuleDict, nn.ModuleDict, float | torch.Tensor] | None = None
+) -> torch.Tensor | None:
+    """A gated MLP's forward (`_is_gated_mlp`) written out, for inference: ``down(act(gate(x)) * up(x))``, with the
+    LoRA deltas ``lora = (A, B, scale)`` (`_add_lora`) inline on the projections they name. None where calling the
+    modules would do more than their math: a projection that is not a plain linear (quantized), or a hook or a
+    replaced forward on the MLP, a projection or the activation (e.g. accelerate's offloading).
+
+    Why by hand: at decode sizes Python's per-call costs are of the order of the matmuls. Over the MLP module, a step
+    of one token cost about +80 us per layer for the module's own four module calls and +250 us with the LoRA deltas
+    added through three temporary hooks on a CPU (bench_layer.py, docs/performance.md). Outputs are the module's
+    (without deltas) and the hook path's (with them); rows scaled by 0 stay bit-identical to the module's.
+    """
+    children = ffn._modules
+    gate, up, down, act = (
+        children.get("gate_proj"),
+        children.get("up_proj"),
+        children.get("down_proj"),
+        children.get("act_fn"),
     )
+    if type(gate) is not nn.Linear or type(up) is not nn.Linear or type(down) is not nn.Linear:
+        return None
+    if not isinstance(act, nn.Module) or _intercepted(ffn, gate, up, down, act):
+        return None
+    flat = x.reshape(-1, x.shape[-1])  # (N, C)
+    if lora is None:  # the original FFN: straight-line, every Python call here costs per layer and decode step
+        hidden = act.forward(F.linear(flat, gate.weight, gate.bias)) * F.linear(flat, up.weight, up.bias)  # (N, I)
+        return F.linear(hidden, down.weight, down.bias).view(*x.shape[:-1], -1)  # (B, T, C)
+    lora_a, lora_b, scale = lora
+
+    def project(proj: nn.Linear, name: str, inputs: torch.Tensor) -> torch.Tensor:
+        out = F.linear(inputs, proj.weight, proj.bias)  # (N, C_out)
+        if name in lora_a:
+            out = _add_lora(out, inputs, lora_a[name].weight, lora_b[name].weight, scale)  # (N, C_out)
+        return out
+
+    hidden = act.forward(project(gate, "gate_proj", flat)) * project(up, "up_proj", flat)  # (N, I)
+    return project(down, "down_proj", hidden).view(*x.shape[:-1], -1)  # (B, T, C)
+
+
+def _intercepted(*modules: nn.Module) -> bool:
+    """Whether calling any of ``modules`` does more than its forward: global forward hooks, its own, or a forward
+    replaced on the instance (accelerate's offloading). Where it does, we call the module instead of its math."""
+    hooks = nn.modules.module  # the global hooks, as Module.__call__ itself checks them
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    for module in modules:
+        if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+            return True
+    return False
 
 
 class UBMoELayer(nn.Module, BaseTunerLayer):
@@ -165,7 +203,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self._state = state
         self.layer_idx = layer_idx
         self.hidden_size = hidden_size
-        self._gated_mlp = _is_gated_mlp(base_layer)  # `_written_out_lora_ffn` applies
+        self._gated_mlp = _is_gated_mlp(base_layer)  # `_gated_mlp_forward` may apply (a copy is of the same class)
         self.update_layer(adapter_name, config)
 
     # ---- construction -------------------------------------------------------------------------------------------
@@ -274,21 +312,23 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     def _bi_expert(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """The bi expert on every token."""
         if self.expert_type[adapter] == "copy":
-            return self.ubmoe_copy[adapter](x).to(x.dtype)
+            return self._run_ffn(self.ubmoe_copy[adapter], x).to(x.dtype)
         return self._lora_ffn(adapter, x, self.scaling[adapter])
 
     def _lora_ffn(self, adapter: str, x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         """The FFN with the LoRA deltas of ``adapter`` scaled by ``scale`` (a float, or an (N, 1) per-token column).
 
-        The deltas ride on the FFN's own projections through forward hooks that exist only during this call, so the
-        FFN's forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode
-        uni, a token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
+        At inference the gated MLP runs written out with the deltas inline (`_gated_mlp_forward`). Elsewhere the
+        deltas ride on the FFN's own projections through forward hooks that exist only during this call, so the FFN's
+        forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode uni, a
+        token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
-        if self._gated_mlp and not torch.is_grad_enabled():
-            out = self._written_out_lora_ffn(adapter, x, scale)
+        dropout = self.ubmoe_dropout[adapter]
+        if self._gated_mlp and not dropout.training and not torch.is_grad_enabled():
+            lora = (self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter], scale)
+            out = _gated_mlp_forward(self.base_layer, x, lora)
             if out is not None:
                 return out
-        dropout = self.ubmoe_dropout[adapter]
         handles = [
             self.base_layer.get_submodule(_module_name(key)).register_forward_hook(
                 functools.partial(_lora_delta, a, self.ubmoe_lora_B[adapter][key], dropout, scale)
@@ -301,55 +341,39 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             for handle in handles:
                 handle.remove()
 
-    def _written_out_lora_ffn(self, adapter: str, x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor | None:
-        """`_lora_ffn` for the gated MLP (`_is_gated_mlp`) at inference, the MLP's forward written out with the
-        deltas inline; None where it does not apply (active dropout; any hook or replaced forward on the MLP, its
-        projections or its activation, e.g. accelerate's offloading; a projection that is no longer a plain linear).
+    def _uni_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The original FFN on every token of ``x`` (at inference the gated MLP written out: bit-identical, faster)."""
+        return self._run_ffn(self.base_layer, x)
 
-        Why by hand: at decode sizes, registering, dispatching and removing the three temporary hooks and the extra
-        module calls cost about as much as the deltas' own work. Over the base FFN, a step routed to bi took
-        +250 us per layer with hooks and +130 us with this path at batch 1 on a CPU (bench_layer.py,
-        docs/performance.md); the generic hooks stay for every other FFN and for training.
-        Outputs are those of the hook path; rows scaled by 0 stay bit-identical to the base FFN's.
-        """
-        ffn = self.base_layer
-        gate, up, down, act = (ffn._modules.get(name) for name in GATED_MLP)
-        modules = (ffn, gate, up, down, act)
-        if self.ubmoe_dropout[adapter].training or not all(type(m) is nn.Linear for m in (gate, up, down)):
-            return None
-        if not isinstance(act, nn.Module) or any(_intercepted(m) for m in modules):
-            return None
-        lora_a, lora_b = self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter]
-
-        def project(proj: nn.Linear, name: str, inputs: torch.Tensor) -> torch.Tensor:
-            out = F.linear(inputs, proj.weight, proj.bias)  # (N, C_out)
-            if name in lora_a:
-                out = _add_lora(out, inputs, lora_a[name].weight, lora_b[name].weight, scale)  # (N, C_out)
-            return out
-
-        flat = x.reshape(-1, x.shape[-1])  # (N, C)
-        hidden = act(project(gate, "gate_proj", flat)) * project(up, "up_proj", flat)  # (N, I)
-        return project(down, "down_proj", hidden).view(*x.shape[:-1], -1)  # (B, T, C)
+    def _run_ffn(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``ffn(x)`` for the base FFN or a copy expert; at inference the gated MLP written out where it applies
+        (`_gated_mlp_forward`)."""
+        if self._gated_mlp and not torch.is_grad_enabled():
+            out = _gated_mlp_forward(ffn, x)
+            if out is not None:
+                return out
+        return ffn(x)
 
     def router_logits(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """Router logits in the router's dtype (fp32 by default), also under bf16/fp16 autocast: (B, T, 2)."""
         router = self.ubmoe_router[adapter]
-        if x.dtype != router.weight.dtype:
-            x = x.to(router.weight.dtype)
+        weight = router.weight  # (2, C)
+        if x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
         # A module call only where someone listens (aux-loss hooks on routers): at decode sizes the call costs more
         # than the (N, C) x (C, 2) product.
-        route = router if _intercepted(router) else functools.partial(F.linear, weight=router.weight)
+        intercepted = _intercepted(router)
         if not torch.is_autocast_enabled(x.device.type):  # entering a context per layer and token costs ~30 us
-            return route(x)  # (B, T, 2)
+            return router(x) if intercepted else F.linear(x, weight)  # (B, T, 2)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return route(x)  # (B, T, 2)
+            return router(x) if intercepted else F.linear(x, weight)  # (B, T, 2)
 
     def _moe(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(adapter, x)  # (B, T, 2)
         if self.top_k[adapter] == 2:
             probs = logits.softmax(dim=-1)  # (B, T, 2)
             self._state.record(self.layer_idx, probs[..., 1].detach())
-            uni = self.base_layer(x)  # (B, T, C)
+            uni = self._uni_expert(x)  # (B, T, C)
             bi = self._bi_expert(adapter, x)  # (B, T, C)
             return (probs[..., :1] * uni + probs[..., 1:] * bi).to(x.dtype)  # (B, T, C)
 
@@ -364,19 +388,25 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         else:
             to_bi = logits[..., 1] > logits[..., 0]  # (B, T), strict: ties go to the uni expert
             n_bi = int(to_bi.sum())  # one host sync per layer; it lets a layer with no routed token skip the expert
-        if picks is not None and (0 < n_bi < len(picks) or torch.is_grad_enabled()):
+        lora = self.expert_type[adapter] == "lora"
+        if picks is not None and (torch.is_grad_enabled() or (0 < n_bi < len(picks) and not lora)):
             to_bi = torch.tensor(picks, device=x.device).view(logits.shape[:-1])  # (B, T)
         if n_bi == 0:
-            out = self.base_layer(x)  # (B, T, C)
+            out = self._uni_expert(x)  # (B, T, C)
         elif n_bi == logits.shape[:-1].numel():
             out = self._bi_expert(adapter, x)  # (B, T, C)
-        elif self.expert_type[adapter] == "lora":  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
-            out = self._lora_ffn(adapter, x, to_bi.reshape(-1, 1) * self.scaling[adapter])  # (B, T, C)
+        elif lora:  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
+            scale = self.scaling[adapter]
+            if picks is not None:  # the column built on the host in one op
+                column = torch.tensor([[scale if pick else 0.0] for pick in picks], device=x.device)  # (N, 1)
+            else:
+                column = to_bi.reshape(-1, 1) * scale  # (N, 1)
+            out = self._lora_ffn(adapter, x, column)  # (B, T, C)
         else:
             out = self._split_copy(adapter, x, to_bi)  # (B, T, C)
 
-        router = self.ubmoe_router[adapter]
-        if torch.is_grad_enabled() and router.weight.requires_grad:  # top-1 needs p only for the router's gradient
+        # Top-1 needs p only for the router's gradient.
+        if torch.is_grad_enabled() and self.ubmoe_router[adapter].weight.requires_grad:
             probs = logits.softmax(dim=-1)  # (B, T, 2)
             p_sel = torch.where(to_bi, probs[..., 1], probs[..., 0])  # (B, T)
             gate = p_sel / p_sel.detach()  # (B, T), exactly 1, gradient 1/p
@@ -388,8 +418,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         flat = x.reshape(-1, x.shape[-1])  # (N, C)
         rows_bi = to_bi.reshape(-1).nonzero().squeeze(1)  # (R,)
         rows_uni = (~to_bi).reshape(-1).nonzero().squeeze(1)  # (N - R,)
-        out_uni = self.base_layer(flat.index_select(0, rows_uni).unsqueeze(0)).squeeze(0)  # (N - R, C)
-        out_bi = self.ubmoe_copy[adapter](flat.index_select(0, rows_bi).unsqueeze(0)).squeeze(0)  # (R, C)
+        out_uni = self._uni_expert(flat.index_select(0, rows_uni).unsqueeze(0)).squeeze(0)  # (N - R, C)
+        copy = self.ubmoe_copy[adapter]
+        out_bi = self._run_ffn(copy, flat.index_select(0, rows_bi).unsqueeze(0)).squeeze(0)  # (R, C)
         out = out_uni.new_empty(flat.shape[0], out_uni.shape[-1])  # (N, C)
         out = out.index_copy(0, rows_uni, out_uni).index_copy(0, rows_bi, out_bi.to(out.dtype))  # (N, C)
         return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C)
