@@ -480,6 +480,28 @@ def test_save_load_reproduces_all_modes(tmp_path, arch, expert, top_k):
         assert torch.equal(logits(loaded, ids, mask), expected[mode]), mode
 
 
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
+def test_lora_b_is_stored_column_major_through_load_cast_and_copy(tmp_path, low_cpu_mem_usage):
+    """LoRA B weights (C_out, r) keep B^T contiguous (the fast layout, `column_major`) whether built, loaded by copy
+    or by assignment, cast or deep-copied; the saved file holds the same values, contiguous."""
+
+    def b_weights(model):
+        return {n: p for n, p in model.named_parameters() if "ubmoe_lora_B" in n or "ubmoe_attn_B" in n}
+
+    def column_major(weights):
+        return all(w.t().is_contiguous() and not w.is_contiguous() for w in weights.values())
+
+    model, _ = wrap("llama", "lora", attention_r=4)
+    perturb_adapters(model, std=0.2)
+    assert len(b_weights(model)) == 2 * (3 + 4) and column_major(b_weights(model))  # 2 layers x (FFN + attention)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(tiny_model("llama"), tmp_path, low_cpu_mem_usage=low_cpu_mem_usage)
+    assert column_major(b_weights(loaded))
+    for (name, saved), (_, restored) in zip(b_weights(model).items(), b_weights(loaded).items(), strict=True):
+        assert torch.equal(saved, restored), name
+    assert column_major(b_weights(copy.deepcopy(loaded))) and column_major(b_weights(loaded.to(torch.bfloat16)))
+
+
 # ---- multiple adapters --------------------------------------------------------------------------------------------
 def test_multiple_adapters_by_name():
     model, reference = wrap()

@@ -49,6 +49,26 @@ def _module_name(key: str) -> str:
     return key.replace("__", ".")
 
 
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA B weight (C_out, r) stored transposed, ``B^T`` contiguous: same shape, values and saved file.
+
+    ``out + h B^T`` then reads B^T row by row. With PyTorch's CPU BLAS that made the (N, r) x (r, C_out) product
+    2-3x faster at decode sizes (N = 1: 7.4 vs 3.0 us for C_out = 1536) and a training forward and backward through
+    it 25% faster at N = 2048, never slower (benchmarks in docs/performance.md). A layout, not a cached copy: nothing
+    can go stale, and where an operation drops it the math is the same, only slower.
+    """
+    return weight.t().contiguous().t()  # (C_out, r), strides (1, C_out)
+
+
+def _lora_pair(proj: nn.Module, r: int, device: torch.device, dtype: torch.dtype) -> tuple[nn.Linear, nn.Linear]:
+    """LoRA's A (r, C_in), initialised as PEFT's LoRA, and B (C_out, r), zero and `column_major`, for ``proj``."""
+    a = nn.Linear(proj.in_features, r, bias=False, device=device, dtype=dtype)
+    nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # as PEFT's LoRA
+    b = nn.Linear(r, proj.out_features, bias=False, device=device, dtype=dtype)
+    b.weight = nn.Parameter(column_major(torch.zeros_like(b.weight)))  # delta 0
+    return a, b
+
+
 def _lora_delta(
     a: nn.Linear,
     b: nn.Linear,
@@ -216,11 +236,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
             for name, proj in projections.items():
                 dtype = torch.float64 if proj.weight.dtype == torch.float64 else torch.float32
-                a = nn.Linear(proj.in_features, config.r, bias=False, device=device, dtype=dtype)
-                b = nn.Linear(config.r, proj.out_features, bias=False, device=device, dtype=dtype)
-                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # as PEFT's LoRA
-                nn.init.zeros_(b.weight)  # delta 0: the bi expert starts as the original FFN
-                a_dict[_module_key(name)], b_dict[_module_key(name)] = a, b
+                # B = 0: the bi expert starts as the original FFN
+                a_dict[_module_key(name)], b_dict[_module_key(name)] = _lora_pair(proj, config.r, device, dtype)
             self.ubmoe_lora_A[adapter_name], self.ubmoe_lora_B[adapter_name] = a_dict, b_dict
             self.ubmoe_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
             self.scaling[adapter_name] = config.scaling
@@ -245,11 +262,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             )
         a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
         for name, proj in linear_projections(self._attention).items():
-            a = nn.Linear(proj.in_features, config.attention_r, bias=False, device=device, dtype=torch.float32)
-            b = nn.Linear(config.attention_r, proj.out_features, bias=False, device=device, dtype=torch.float32)
-            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-            nn.init.zeros_(b.weight)  # delta 0: mode bi starts as the base attention, made bidirectional
-            a_dict[_module_key(name)], b_dict[_module_key(name)] = a, b
+            # B = 0: mode bi starts as the base attention, made bidirectional
+            pair = _lora_pair(proj, config.attention_r, device, torch.float32)
+            a_dict[_module_key(name)], b_dict[_module_key(name)] = pair
         self.ubmoe_attn_A[adapter_name], self.ubmoe_attn_B[adapter_name] = a_dict, b_dict
         self.attention_scaling[adapter_name] = config.lora_scaling(config.attention_r)
         if adapter_name not in self.ubmoe_dropout:

@@ -23,13 +23,14 @@ from ...export import export_moe
 from ...io import AdapterMismatchError
 from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
-from .layer import UBMoELayer, merge_unsupported, selected_projections
+from .layer import UBMoELayer, column_major, merge_unsupported, selected_projections
 from .state import ModeState
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 _ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
+_LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
 
 def _matches(config: UBMoEConfig, key: str) -> bool:
@@ -113,7 +114,8 @@ class UBMoEModel(BaseTuner):
             model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
         )
         check_checkpoint(model, config, adapter_name, remapped)
-        return remapped
+        # B in its fast layout also where PEFT assigns the loaded tensors instead of copying them (low_cpu_mem_usage)
+        return {key: column_major(v) if _LORA_B.search(key) else v for key, v in remapped.items()}
 
     # ---- forward hooks: attention per mode ----------------------------------------------------------------------
     def _install_forward_hooks(self) -> None:
