@@ -2,9 +2,10 @@
 
 Decode-sized inputs ((B, 1, C), batch 1 and 8) go through the FFN of every decoder layer of a SmolLM2-135M-shaped
 model (30 layers by default) in turn, so each call reads its layer's weights from memory as a decode step does.
-Cases per batch and route (every token to uni, every token to bi, or half and half): the base FFN (baseline), the
-UBMoE layer with the LoRA expert as it runs at inference (the gated MLP written out, `_written_out_lora_ffn`), and
-the same layer forced onto the generic path (temporary hooks on the projections). Routes are forced by pointing the
+Cases per batch and route (every token to uni, every token to bi, or half and half): the base FFN module (baseline),
+the UBMoE layer with the LoRA expert as it runs at inference (the gated MLP written out, `_gated_mlp_forward`, also
+for tokens routed to uni), and the same layer forced onto the generic paths (the FFN module; temporary hooks on its
+projections for the deltas). Routes are forced by pointing the
 routers along one direction and choosing the inputs' signs on it. Figures: per-layer time, the base FFN's time over
 the case's (a throughput ratio, paired per round) and the overhead in microseconds per layer and step. No target:
 it explains the decode rows of bench_decode.py.
@@ -56,7 +57,7 @@ def main() -> None:
     def case(x: torch.Tensor, base: bool, written_out: bool) -> Case:
         def setup() -> None:
             for layer in layers:
-                layer._gated_mlp = gated[id(layer)] and written_out  # False: the generic hook path
+                layer._gated_mlp = gated[id(layer)] and written_out  # False: the module and hook paths
 
         def run() -> None:
             with torch.inference_mode():
@@ -76,17 +77,17 @@ def main() -> None:
                 [case(x, True, True), case(x, False, True), case(x, False, False)], args.warmup, args.repeats
             )
             base_us = statistics.median(cases[0].times) / per_layer * 1e6
-            for case in cases[1:]:
-                case_us = statistics.median(case.times) / per_layer * 1e6
+            for timed in cases[1:]:
+                case_us = statistics.median(timed.times) / per_layer * 1e6
                 rows.append(
                     row(
                         "layer",
-                        f"{case.name}, batch {batch}, {route}",
+                        f"{timed.name}, batch {batch}, {route}",
                         "us per layer",
                         case_us,
                         "base FFN",
                         base_us,
-                        ratio_stats(cases[0], case),  # t_base / t_case
+                        ratio_stats(cases[0], timed),  # t_base / t_case
                         "informational",
                         None,
                         overhead_us=case_us - base_us,

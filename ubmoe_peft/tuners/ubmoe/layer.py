@@ -16,7 +16,8 @@ Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections,
 projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection, which
 keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base FFN's,
 and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs only on
-its rows.
+its rows. At inference, Llama-style gated MLPs run written out instead of through modules and hooks
+(`_gated_mlp_forward`): the same math with fewer Python calls per layer and decode step.
 """
 
 from __future__ import annotations
@@ -114,9 +115,6 @@ def _add_lora(
     return out.add_(delta) if inplace else out + delta  # (N, C_out)
 
 
-GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
-
-
 def _is_gated_mlp(ffn: nn.Module) -> bool:
     """Whether ``ffn``'s class runs the gated MLP of Llama, Mistral, Qwen2/3, Gemma 1-3, OLMo 2, Granite, SmolLM3 and
     others: LlamaMLP's very forward (same bytecode, so a subclass that changes the computation is not taken for one).
@@ -141,18 +139,14 @@ def _gated_mlp_forward(
     modules would do more than their math: a projection that is not a plain linear (quantized), or a hook or a
     replaced forward on the MLP, a projection or the activation (e.g. accelerate's offloading).
 
-    Why by hand: at decode sizes Python's per-call costs are of the order of the matmuls. Over the MLP module, a step
-    of one token cost about +80 us per layer for the module's own four module calls and +250 us with the LoRA deltas
-    added through three temporary hooks on a CPU (bench_layer.py, docs/performance.md). Outputs are the module's
-    (without deltas) and the hook path's (with them); rows scaled by 0 stay bit-identical to the module's.
+    Why by hand: at decode sizes Python's per-call costs are of the order of the matmuls. On a CPU, a step of one
+    token spent about 70 us per layer in the MLP module's own four module calls, and adding the LoRA deltas through
+    three temporary hooks cost about 130 us more than adding them here (bench_layer.py, docs/performance.md).
+    Outputs are the module's (without deltas) and the hook path's (with them); rows scaled by 0 stay bit-identical
+    to the module's.
     """
-    children = ffn._modules
-    gate, up, down, act = (
-        children.get("gate_proj"),
-        children.get("up_proj"),
-        children.get("down_proj"),
-        children.get("act_fn"),
-    )
+    get = ffn._modules.get  # four lookups, not a generator: this runs per layer and decode step
+    gate, up, down, act = get("gate_proj"), get("up_proj"), get("down_proj"), get("act_fn")
     if type(gate) is not nn.Linear or type(up) is not nn.Linear or type(down) is not nn.Linear:
         return None
     if not isinstance(act, nn.Module) or _intercepted(ffn, gate, up, down, act):
