@@ -342,6 +342,10 @@ def test_written_out_gated_mlp_is_taken_only_where_it_applies(monkeypatch):
         ffn.down_proj = torch.nn.Sequential(down)  # no longer a plain linear
         assert _gated_mlp_forward(ffn, x) is None
         ffn.down_proj = down
+        assert _gated_mlp_forward(ffn, x.transpose(0, 1)) is None  # strided input: a biased nn.Linear rounds otherwise
+        ffn.up_proj.compile()  # compiled in place (lazily: nothing compiles unless it is called)
+        assert _gated_mlp_forward(ffn, x) is None
+        ffn.up_proj._compiled_call_impl = None
     taken = []
     original = layer_module._gated_mlp_forward
     monkeypatch.setattr(layer_module, "_gated_mlp_forward", lambda *args: taken.append(len(args)) or original(*args))
@@ -360,7 +364,7 @@ def test_written_out_gated_mlp_is_taken_only_where_it_applies(monkeypatch):
 
 @pytest.mark.parametrize("arch", GATED_MLP_ARCHS)
 @pytest.mark.parametrize("expert", EXPERTS)
-def test_written_out_experts_at_inference_are_bit_identical(arch, expert):
+def test_written_out_experts_at_inference_are_bit_identical(arch, expert, monkeypatch):
     """Top-1 at inference runs the original FFN (tokens routed to uni) and a copy expert written out: bit-identical
     to calling the modules on the same rows, whether every token goes to one expert or the router splits them."""
     base = tiny_model(arch)
@@ -369,6 +373,9 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert):
     layer = layers(model)[0]
     x = torch.randn(2, 3, 32)  # (B, T, C)
     router = layer.ubmoe_router["default"].weight  # (2, C)
+    taken = []  # written-out FFN runs per layer call
+    original = layer_module._gated_mlp_forward
+    monkeypatch.setattr(layer_module, "_gated_mlp_forward", lambda *args: taken.append(1) or original(*args))
     with torch.no_grad():
         direction = router[1] - router[0]  # (C,)
         signs = torch.sign(x @ direction)  # (B, T), routed to bi where positive
@@ -376,7 +383,9 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert):
         for route in (-1.0, 1.0, None):  # all to uni, all to bi, as the router says (mixed)
             inputs = x * (signs * route).unsqueeze(-1) if route is not None else x  # (B, T, C)
             to_bi = inputs @ direction > 0  # (B, T)
+            taken.clear()
             out = layer(inputs)  # (B, T, C)
+            assert len(taken) == (2 if route is None and expert == "copy" else 1)  # never the modules
             if route is None:
                 assert 0 < int(to_bi.sum()) < to_bi.numel()
                 if expert == "lora":  # one FFN pass over every row, the deltas scaled by 0 on the uni rows
@@ -389,6 +398,28 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert):
                 assert torch.equal(out, (expert_ffn if route > 0 else layer.base_layer)(inputs))
             else:
                 torch.testing.assert_close(out, expert_ffn(inputs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [9, 80])  # decided on the host (<= 64 tokens), on the device
+@pytest.mark.parametrize("grad", [False, True])
+def test_mixed_top1_lora_in_a_model_cast_to_bf16_and_under_a_float64_default(tokens, grad):
+    """The per-token scale column takes the LoRA weights' dtype: a model cast whole to bf16 (bf16 LoRA weights) and
+    torch.set_default_dtype(torch.float64) both route mixed batches, and the latter exactly as under float32."""
+    model, _ = wrap("llama", "lora")
+    perturb_adapters(model, std=0.3)
+    ids = torch.randint(3, 100, (2, tokens), generator=torch.Generator().manual_seed(0))  # (B, T)
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.set_grad_enabled(grad):
+        expected = model(input_ids=ids).logits  # (B, T, V)
+        shares = ubmoe_peft.routing_stats(model)
+        assert any(0.0 < share < 1.0 for share in shares.values()), shares  # mixed batches
+        torch.testing.assert_close(cast(input_ids=ids).logits.float(), expected, rtol=0.05, atol=0.05)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert torch.equal(model(input_ids=ids).logits, expected)
+        finally:
+            torch.set_default_dtype(default)
 
 
 @pytest.mark.parametrize("expert", EXPERTS)

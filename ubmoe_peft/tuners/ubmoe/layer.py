@@ -149,6 +149,8 @@ def _gated_mlp_forward(
     gate, up, down, act = get("gate_proj"), get("up_proj"), get("down_proj"), get("act_fn")
     if type(gate) is not nn.Linear or type(up) is not nn.Linear or type(down) is not nn.Linear:
         return None
+    if not x.is_contiguous():  # nn.Linear adds a bias to a strided 3-D input separately: other bits than addmm's
+        return None
     if not isinstance(act, nn.Module) or _intercepted(ffn, gate, up, down, act):
         return None
     flat = x.reshape(-1, x.shape[-1])  # (N, C)
@@ -168,13 +170,16 @@ def _gated_mlp_forward(
 
 
 def _intercepted(*modules: nn.Module) -> bool:
-    """Whether calling any of ``modules`` does more than its forward: global forward hooks, its own, or a forward
-    replaced on the instance (accelerate's offloading). Where it does, we call the module instead of its math."""
+    """Whether calling any of ``modules`` does more than its forward: global forward hooks, its own, a forward
+    replaced on the instance (accelerate's offloading) or an in-place ``module.compile()``. Where it does, we call
+    the module instead of its math."""
     hooks = nn.modules.module  # the global hooks, as Module.__call__ itself checks them
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return True
     for module in modules:
         if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+            return True
+        if getattr(module, "_compiled_call_impl", None) is not None:  # module.compile(): run what it compiled
             return True
     return False
 
@@ -406,10 +411,13 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             out = self._bi_expert(adapter, x)  # (B, T, C)
         elif lora:  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
             scale = self.scaling[adapter]
+            # In the rank-r side's dtype (a model cast whole to bf16 has bf16 LoRA weights), not torch's default one.
+            dtype = next(iter(self.ubmoe_lora_A[adapter].values())).weight.dtype
             if picks is not None:  # the column built on the host in one op
-                column = torch.tensor([[scale if pick else 0.0] for pick in picks], device=x.device)  # (N, 1)
+                rows = [[scale if pick else 0.0] for pick in picks]
+                column = torch.tensor(rows, dtype=dtype, device=x.device)  # (N, 1)
             else:
-                column = to_bi.reshape(-1, 1) * scale  # (N, 1)
+                column = to_bi.reshape(-1, 1).to(dtype) * scale  # (N, 1)
             out = self._lora_ffn(adapter, x, column)  # (B, T, C)
         else:
             out = self._split_copy(adapter, x, to_bi)  # (B, T, C)
