@@ -348,18 +348,23 @@ def test_written_out_gated_mlp_is_taken_only_where_it_applies(monkeypatch):
         ffn.up_proj._compiled_call_impl = None
     taken = []
     original = layer_module._gated_mlp_forward
-    monkeypatch.setattr(layer_module, "_gated_mlp_forward", lambda *args: taken.append(len(args)) or original(*args))
+
+    def record(ffn, x, lora=None):  # "deltas" or "plain" per written-out run
+        taken.append("plain" if lora is None else "deltas")
+        return original(ffn, x, lora)
+
+    monkeypatch.setattr(layer_module, "_gated_mlp_forward", record)
     with torch.no_grad():
         layer._bi_expert("default", x)
         layer._uni_expert(x)
-        assert taken == [3, 2]  # eval, no graph: the deltas inline, then the original FFN
+        assert taken == ["deltas", "plain"]  # eval, no graph: the deltas inline, then the original FFN
         model.train()
         layer._bi_expert("default", x)  # active dropout: the hook path applies it
         layer._uni_expert(x)  # no dropout on the original FFN
-        assert taken == [3, 2, 2]
+        assert taken == ["deltas", "plain", "plain"]
     ubmoe_peft.set_mode(model, "bi")
     layer(x).sum().backward()  # training records a graph: the module and hook paths, never the written-out one
-    assert taken == [3, 2, 2]
+    assert taken == ["deltas", "plain", "plain"]
 
 
 @pytest.mark.parametrize("arch", GATED_MLP_ARCHS)

@@ -338,9 +338,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
         dropout = self.ubmoe_dropout[adapter]
-        if self._gated_mlp and not dropout.training and not torch.is_grad_enabled():
-            lora = (self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter], scale)
-            out = _gated_mlp_forward(self.base_layer, x, lora)
+        if not dropout.training:
+            out = self._written_out(self.base_layer, x, (self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter], scale))
             if out is not None:
                 return out
         handles = [
@@ -360,13 +359,13 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         return self._run_ffn(self.base_layer, x)
 
     def _run_ffn(self, ffn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``ffn(x)`` for the base FFN or a copy expert; at inference the gated MLP written out where it applies
-        (`_gated_mlp_forward`)."""
-        if self._gated_mlp and not torch.is_grad_enabled():
-            out = _gated_mlp_forward(ffn, x)
-            if out is not None:
-                return out
-        return ffn(x)
+        """``ffn(x)`` for the base FFN or a copy expert; at inference the gated MLP written out where it applies."""
+        out = self._written_out(ffn, x)
+        return ffn(x) if out is None else out
+
+    def _written_out(self, ffn: nn.Module, x: torch.Tensor, lora: tuple | None = None) -> torch.Tensor | None:
+        """`_gated_mlp_forward` at inference (no graph recorded) on a gated MLP; None elsewhere."""
+        return _gated_mlp_forward(ffn, x, lora) if self._gated_mlp and not torch.is_grad_enabled() else None
 
     def router_logits(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """Router logits in the router's dtype (fp32 by default), also under bf16/fp16 autocast: (B, T, 2)."""
