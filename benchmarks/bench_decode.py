@@ -48,6 +48,7 @@ import ubmoe_peft
 
 TARGET = 0.95
 CONTROL = "base, second copy (A/A control)"
+COPY_CLONED, COPY_ALIASED = "copy, bi = base FFN cloned (control)", "copy, bi = base FFN aliased (control)"
 
 
 def decode_share(model: nn.Module, generate: Any) -> dict[str, float]:
@@ -170,6 +171,23 @@ def real_models(adapters: list[str], device: str) -> dict[str, nn.Module]:
     return models
 
 
+def copy_controls(model: nn.Module) -> dict[str, nn.Module]:
+    """Two controls for a copy-expert model (``--copy-controls``): its bi experts given the base FFN's own weights,
+    as separate tensors ("cloned") and as the same tensors ("aliased"). Both route alike and compute the same values
+    op for op; only the aliased one reads a single set of FFN weights per layer. Their ratio is the cost of reading
+    a second expert's weights on the steps that use both experts; the cloned row's gap to the base is that plus the
+    routing and the split of the batch between the experts."""
+    controls = {}
+    for name, alias in ((COPY_CLONED, False), (COPY_ALIASED, True)):
+        twin = copy.deepcopy(model)
+        for layer in ubmoe_peft.modes.ubmoe_layers(twin):
+            for expert in layer.ubmoe_copy.values():
+                for mine, base in zip(expert.parameters(), layer.base_layer.parameters(), strict=True):
+                    mine.data = base.data if alias else base.data.clone()
+        controls[name] = twin
+    return controls
+
+
 def chat_prompts(batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` user questions of the demo chats in SmolLM2's chat template, left-padded: (ids, mask), (B, P)."""
     from ubmoe_peft.data import load_rows
@@ -214,11 +232,23 @@ def main() -> None:
         help="also time a LoRA model with a mode-bi attention adapter of this rank (mode moe never uses it, so this "
         "measures only its hooks' cost)",
     )
+    parser.add_argument(
+        "--copy-controls",
+        action="store_true",
+        help="also time the copy-expert model with its bi experts set to the base FFN's weights, cloned and aliased "
+        "(informational rows): separates the cost of reading a second set of FFN weights from routing and splitting",
+    )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     models = real_models(args.adapters, args.device) if args.adapters else random_models(args)
     if args.control:
         models[CONTROL] = copy.deepcopy(models["base"])  # the same weights in freshly allocated memory
+    if args.copy_controls:
+        copy_model = next((m for name, m in models.items() if name.startswith("copy")), None)
+        if copy_model is None:
+            parser.error("--copy-controls needs a copy-expert model: pass a copy adapter in --adapters")
+        models.update(copy_controls(copy_model))
+    informational = (CONTROL, COPY_CLONED, COPY_ALIASED)
 
     rows = []
     for batch in args.batches:
@@ -258,7 +288,7 @@ def main() -> None:
             for case in cases[1:]:
                 stats = ratio_stats(base_case, case)  # tokens/s ratio = t_base / t_case
                 tps = batch * args.new_tokens / statistics.median(case.times)
-                judged_case = judged and case.name != CONTROL
+                judged_case = judged and case.name not in informational
                 rows.append(
                     row(
                         "decode",

@@ -158,3 +158,40 @@ def test_a_deep_copy_has_its_own_hooks():
     assert hooks_on(twin.base_model.model.model.layers[1].self_attn) == 0
     assert hooks_on(model.base_model.model.model.layers[1].self_attn) == 2  # the original's pre/post pair
     torch.testing.assert_close(outputs(model, "bi", ids, mask), expected, rtol=0, atol=0)
+
+
+def test_attention_is_hooked_only_while_the_model_runs_in_mode_bi():
+    """Modes uni and moe (every decode step) run the attention without any hook of ours; a forward in mode bi hooks
+    it in, and the first forward in another mode detaches again, with mode bi's outputs unchanged by the round trips."""
+    model = wrapped()
+    attention = model.base_model.model.model.layers[1].self_attn  # layer 0's also has the model's mask check
+    ids, mask = batch()
+    counts, bi = [], []
+    for mode in ("moe", "bi", "uni", "bi", "moe"):
+        result = outputs(model, mode, ids, mask)
+        counts.append(hooks_on(attention))
+        if mode == "bi":
+            bi.append(result)
+    assert counts == [0, 2, 0, 2, 0]
+    torch.testing.assert_close(bi[1], bi[0], rtol=0, atol=0)
+
+
+def test_an_attention_adapter_added_in_mode_bi_is_hooked_at_once():
+    model = get_peft_model(tiny_model(), UBMoEConfig(lora_dropout=0.0)).eval()
+    attention = model.base_model.model.model.layers[1].self_attn
+    ids, mask = batch()
+    ubmoe_peft.set_mode(model, "bi")
+    outputs(model, "bi", ids, mask)
+    assert hooks_on(attention) == 0  # no attention adapter yet: nothing to hook
+    model.add_adapter("second", UBMoEConfig(lora_dropout=0.0, attention_r=4))
+    model.set_adapter("second")
+    perturb_adapters(model, std=0.3)
+    assert hooks_on(attention) == 2
+    first = outputs(model, "bi", ids, mask)
+    outputs(model, "moe", ids, mask)  # detaches
+    torch.testing.assert_close(outputs(model, "bi", ids, mask), first, rtol=0, atol=0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ubmoe_attn_B." in name:
+                param.zero_()
+    assert not torch.allclose(outputs(model, "bi", ids, mask), first, atol=1e-3)  # the first forward had the deltas

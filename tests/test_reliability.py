@@ -115,6 +115,10 @@ BAD_WRAPS = {
     "rank too large": (dict(r=128), None, ["r=128", "min(in, out)", "smaller r"]),
     "single linear target": (dict(target_modules=["gate_proj"]), None, ["single linear layer", "target_modules"]),
     "unknown projection": (dict(ffn_projections=["w1"]), None, ["['w1']", "gate_proj"]),
+    # PEFT matches modules_to_save by name ending, after the experts exist: refused before any change
+    "modules_to_save is the FFN": (dict(modules_to_save=["p"]), None, ["['p']", "'model.layers.0.mlp'", "lm_head"]),
+    "modules_to_save is an expert": (dict(modules_to_save=["A"]), None, ["['A']", "mlp.ubmoe_lora_A'", "lm_head"]),
+    "modules_to_save is inside the FFN": (dict(modules_to_save=["up_proj"]), None, ["mlp.base_layer.up_proj'"]),
 }
 
 
@@ -143,12 +147,17 @@ BAD_FIELDS = {
     "lora_alpha": ("big", ["'big'", "number"]),
     "use_rslora": ("yes", ["'yes'", "True or False"]),
     "target_modules": (5, ["5", "module names"]),
+    "target_modules:empty": ("", ["''", "matches no module", "['mlp']"]),
+    "target_modules:bad regex": ("(", ["'('", "not a valid regular expression", "['mlp']"]),
+    "lora_alpha:overflow": (1e308, ["1e+308", "finite float32", "16"]),
+    "lora_alpha:inf": (float("inf"), ["inf", "finite float32"]),
 }
 
 
-@pytest.mark.parametrize("field", sorted(BAD_FIELDS))
-def test_bad_field_names_value_and_fix(field):
-    value, phrases = BAD_FIELDS[field]
+@pytest.mark.parametrize("case", sorted(BAD_FIELDS))
+def test_bad_field_names_value_and_fix(case):
+    field = case.split(":")[0]
+    value, phrases = BAD_FIELDS[case]
     with pytest.raises(ValueError) as info:
         ubmoe_peft.UBMoEConfig(**{field: value})
     assert f"{field}=" in str(info.value)
@@ -262,6 +271,10 @@ BAD_FILES = {
         "adapter_config.json",
         lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "top_k": "two"})),
     ),
+    "config names modules_to_save the weights lack": (  # PEFT looked them up by key: a bare KeyError
+        "adapter_config.json",
+        lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "modules_to_save": ["lm_head"]})),
+    ),
 }
 
 
@@ -273,6 +286,19 @@ def test_missing_or_corrupted_file_fails_naming_it(saved, case):
     with pytest.raises(AdapterFileError) as info:
         peft.PeftModel.from_pretrained(tiny(), folder)
     assert name in str(info.value) and str(folder) in str(info.value), str(info.value)
+
+
+def test_modules_to_save_round_trip(tmp_path):
+    """A trained lm_head (modules_to_save) saves and loads with the adapter, through the same checked reader."""
+    model = wrap(tiny(), modules_to_save=["lm_head"])
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    ids = torch.arange(6).view(1, 6)
+    expected = logits(model.eval(), ids)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
+    torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
+    assert not torch.equal(expected, logits(wrap(tiny()).eval(), ids))
 
 
 def test_pickle_is_never_loaded(saved, tmp_path, monkeypatch):

@@ -182,6 +182,23 @@ def check_weights_file(folder: str) -> str:
 
 
 # ---- wrappers installed into PEFT ---------------------------------------------------------------------------------
+class _Weights(dict):
+    """A UBMoE adapter's loaded tensors. PEFT looks up the tensors of ``modules_to_save`` by key before any check of
+    ours can run (a bare KeyError when the config names modules the file has no tensors for); a missing key here
+    names both files instead. Every other use is a plain dict."""
+
+    def __init__(self, tensors: dict, folder: str) -> None:
+        super().__init__(tensors)
+        self.folder = folder
+
+    def __missing__(self, key: str) -> Any:
+        raise AdapterFileError(
+            f"{os.path.join(self.folder, CONFIG_NAME)} and {WEIGHTS_NAME} do not match: the model expects the tensor "
+            f"{key!r} (for modules_to_save), which the weights file does not hold. The config was edited or belongs to "
+            "another save; save the adapter again with model.save_pretrained(folder)."
+        )
+
+
 def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def atomic_safe_save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
@@ -199,7 +216,7 @@ def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict
             return original(model_id, device, **kwargs)
         path = check_weights_file(folder)
         try:
-            return original(model_id, device, **kwargs)
+            return _Weights(original(model_id, device, **kwargs), folder=folder)
         except Exception as exc:  # safetensors raises its own SafetensorError (an Exception) for bad headers
             raise AdapterFileError(
                 f"{path} cannot be read as safetensors ({type(exc).__name__}: {exc}). It is truncated or corrupted; "

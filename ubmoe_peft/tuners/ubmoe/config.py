@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ from ...io import CONFIG_NAME, AdapterFileError, atomic_write_text
 
 EXPERT_TYPES = ("lora", "copy")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -126,6 +128,11 @@ class UBMoEConfig(PeftConfig):
         number = (int, float)
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, number):
             raise ValueError(f"UBMoEConfig(lora_alpha={self.lora_alpha!r}) must be a number, e.g. 16.")
+        if not abs(self.lora_alpha) <= _FLOAT32_MAX:  # also NaN and inf: the scaling rides on float32 matmuls
+            raise ValueError(
+                f"UBMoEConfig(lora_alpha={self.lora_alpha!r}) is not a finite float32 number; use a usual LoRA alpha, "
+                "e.g. 16."
+            )
         if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, number):
             raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be a number in [0, 1).")
         if not isinstance(self.use_rslora, bool):
@@ -137,6 +144,19 @@ class UBMoEConfig(PeftConfig):
                 raise ValueError(
                     f"UBMoEConfig({name}={value!r}) must be None or a list of module names"
                     + (" (or one regex string)." if name == "target_modules" else ".")
+                )
+        if isinstance(self.target_modules, str):
+            try:
+                re.compile(self.target_modules)
+            except re.error as exc:
+                raise ValueError(
+                    f"UBMoEConfig(target_modules={self.target_modules!r}) is not a valid regular expression ({exc}). "
+                    "Give a list of module names (e.g. ['mlp']) or a valid regex."
+                ) from exc
+            if not self.target_modules:
+                raise ValueError(
+                    "UBMoEConfig(target_modules='') matches no module name. Give the FFN's name, e.g. ['mlp'], or None "
+                    "for the default."
                 )
         if self.base_model_signature is not None and not isinstance(self.base_model_signature, dict):
             raise ValueError(

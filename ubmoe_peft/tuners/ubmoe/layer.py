@@ -268,13 +268,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.attention_scaling[adapter_name] = config.lora_scaling(config.attention_r)
         if adapter_name not in self.ubmoe_dropout:
             self.ubmoe_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
-        if not self._attention_hooks:
-            # Around each attention call (also a gradient-checkpointing recompute), mode bi adds the deltas through
-            # temporary hooks on the projections; modes uni and moe run the attention untouched.
-            self._attention_hooks = [
-                self._attention.register_forward_pre_hook(self._attention_on),
-                self._attention.register_forward_hook(self._attention_off, always_call=True),
-            ]
+        self.set_attention_hooks(self._state.attention_hooked)
 
     def _attention_on(self, module: nn.Module, args: tuple) -> None:
         if self._state.spec.ffn != "bi":  # modes uni and moe (every decode step): return before anything else
@@ -294,11 +288,27 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         for handle in self.__dict__.pop("_attention_deltas", []):
             handle.remove()
 
+    def set_attention_hooks(self, on: bool) -> None:
+        """Hook the attention module for the mode-bi adapter (``on``), or detach from it.
+
+        Around each attention call (also a gradient-checkpointing recompute) the pre/post pair adds the deltas through
+        temporary hooks on the projections. The model installs the pair only while it runs in mode bi
+        (`UBMoEModel._before_backbone`): in modes uni and moe, every decode step included, the attention module has no
+        hook of ours at all (even one that returns at once cost 1-2% of decode throughput, docs/performance.md).
+        """
+        if on and not self._attention_hooks and self.ubmoe_attn_A:
+            self._attention_hooks = [
+                self._attention.register_forward_pre_hook(self._attention_on),
+                self._attention.register_forward_hook(self._attention_off, always_call=True),
+            ]
+        elif not on:
+            for handle in self._attention_hooks:
+                handle.remove()
+            self._attention_hooks = []
+
     def remove_attention_hooks(self) -> None:
         """Detach from the attention module (unload, merge): no hook of ours stays behind on the base model."""
-        for handle in self._attention_hooks:
-            handle.remove()
-        self._attention_hooks = []
+        self.set_attention_hooks(False)
 
     # ---- forward ------------------------------------------------------------------------------------------------
     def _current_adapter(self) -> str | None:

@@ -30,6 +30,7 @@ from .state import ModeState
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 _ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
+_CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDicts a UBMoE layer holds
 _LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
 
@@ -63,7 +64,7 @@ class UBMoEModel(BaseTuner):
         # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
-        validate_config(model, self.peft_config[adapter_name])  # every check runs before any module changes
+        validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
 
@@ -133,6 +134,11 @@ class UBMoEModel(BaseTuner):
         state = self._ubmoe_state
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         state.begin_forward(mask if isinstance(mask, torch.Tensor) else None)
+        if state.attention_hooked != (state.spec.ffn == "bi"):  # a mode change since the last forward
+            state.attention_hooked = state.spec.ffn == "bi"
+            for layer in self.model.modules():
+                if isinstance(layer, UBMoELayer):
+                    layer.set_attention_hooks(state.attention_hooked)
         if state.spec.causal or not state.adapters_enabled:
             return None
         implementation = self._attn_implementation()
@@ -326,7 +332,7 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
         )
 
 
-def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
+def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
     signature = base_signature(model)
     if config.base_model_signature is None:
@@ -338,7 +344,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
             raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
     if config.target_modules is None:
         config.target_modules = [default_ffn_target(model)]
-    targets = {name: m for name, m in model.named_modules() if _matches(config, name)}
+    targets = {name: m for name, m in model.named_modules() if name and _matches(config, name)}  # not the root
     layers = decoder_layers(model)
     if config.layers_to_transform is not None:
         bad = [i for i in config.layers_to_transform if i >= len(layers)]
@@ -353,6 +359,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
             f"Target modules {config.target_modules} not found in the base model. Its decoder layers have the "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
         )
+    _check_modules_to_save(config, targets, adapter_name)
     for name, module in targets.items():
         if isinstance(module, UBMoELayer):
             module = module.base_layer
@@ -376,6 +383,31 @@ def validate_config(model: nn.Module, config: UBMoEConfig) -> None:
                         f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
                         f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
                     )
+
+
+def _check_modules_to_save(config: UBMoEConfig, targets: dict[str, nn.Module], adapter_name: str) -> None:
+    """PEFT wraps every module whose name ends with an entry of ``modules_to_save`` (plain ``str.endswith``), after
+    the experts are built. Inside a wrapped FFN that would fail half-way (a UBMoE layer or its ModuleDicts cannot be
+    wrapped) or train a projection the experts share, so such entries are refused here, before anything changes. The
+    names checked are those the FFN and its contents will have once wrapped."""
+    if not config.modules_to_save:
+        return
+    names = []
+    for name, module in targets.items():
+        ffn = module.base_layer if isinstance(module, UBMoELayer) else module
+        inner = [n for n, _ in ffn.named_modules() if n]
+        names += [name, f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
+        for container in _CONTAINERS:
+            names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
+            names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
+    clashes = sorted({entry for entry in config.modules_to_save for n in names if n.endswith(entry)})
+    if clashes:
+        example = next(n for n in names if n.endswith(clashes[0]))
+        raise ValueError(
+            f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {clashes}, which would match modules inside "
+            f"the FFNs UBMoE wraps (e.g. {example!r}; PEFT matches the end of module names). The FFNs are the "
+            "experts: train them through the adapter. Keep modules_to_save to modules outside them, e.g. ['lm_head']."
+        )
 
 
 def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str, nn.Module]]) -> None:

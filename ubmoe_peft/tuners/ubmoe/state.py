@@ -32,6 +32,7 @@ class ModeState:
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
         self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
         self.routing_mask: torch.Tensor | None = None  # token_mask of that forward
+        self.attention_hooked = False  # whether the layers' mode-bi attention adapters are hooked in (mode bi only)
 
     @property
     def spec(self) -> ModeSpec:
