@@ -48,6 +48,7 @@ import ubmoe_peft
 
 TARGET = 0.95
 CONTROL = "base, second copy (A/A control)"
+COPY_ZERO = "copy, routers zeroed (control)"
 COPY_CLONED, COPY_ALIASED = "copy, bi = base FFN cloned (control)", "copy, bi = base FFN aliased (control)"
 
 
@@ -164,7 +165,8 @@ def real_models(adapters: list[str], device: str) -> dict[str, nn.Module]:
 
     from ubmoe_peft.smollm2 import load_smollm2
 
-    models: dict[str, nn.Module] = {"base": load_smollm2()[0].to(device)}
+    # Frozen like every wrapped model's base (see common.build_model: the prefill's LM head runs faster unfrozen)
+    models: dict[str, nn.Module] = {"base": load_smollm2()[0].to(device).requires_grad_(False)}
     for folder in adapters:
         model = PeftModel.from_pretrained(load_smollm2()[0].to(device), folder).eval()
         models[f"{model.peft_config['default'].expert_type} (trained)"] = model
@@ -172,15 +174,19 @@ def real_models(adapters: list[str], device: str) -> dict[str, nn.Module]:
 
 
 def copy_controls(model: nn.Module) -> dict[str, nn.Module]:
-    """Two controls for a copy-expert model (``--copy-controls``): its bi experts given the base FFN's own weights,
-    as separate tensors ("cloned") and as the same tensors ("aliased"). Both route alike and compute the same values
-    op for op; only the aliased one reads a single set of FFN weights per layer. Their ratio is the cost of reading
-    a second expert's weights on the steps that use both experts; the cloned row's gap to the base is that plus the
-    routing and the split of the batch between the experts."""
+    """Three controls for a copy-expert model (``--copy-controls``), taking its cost at batch > 1 apart:
+    - routers zeroed: every token goes to uni, so this costs the routers and the routing code, nothing more;
+    - bi experts given the base FFN's own weights, as separate tensors ("cloned") and as the same tensors ("aliased").
+      Both route alike and compute the same values op for op; a layer-step with tokens for both experts runs the
+      FFN twice, on its own rows each, over two sets of weights (cloned) or the same set twice (aliased)."""
     controls = {}
-    for name, alias in ((COPY_CLONED, False), (COPY_ALIASED, True)):
+    for name, alias in ((COPY_ZERO, None), (COPY_CLONED, False), (COPY_ALIASED, True)):
         twin = copy.deepcopy(model)
         for layer in ubmoe_peft.modes.ubmoe_layers(twin):
+            if alias is None:
+                for router in layer.ubmoe_router.values():
+                    router.weight.data.zero_()  # equal logits: every token to uni
+                continue
             for expert in layer.ubmoe_copy.values():
                 for mine, base in zip(expert.parameters(), layer.base_layer.parameters(), strict=True):
                     mine.data = base.data if alias else base.data.clone()
@@ -235,8 +241,9 @@ def main() -> None:
     parser.add_argument(
         "--copy-controls",
         action="store_true",
-        help="also time the copy-expert model with its bi experts set to the base FFN's weights, cloned and aliased "
-        "(informational rows): separates the cost of reading a second set of FFN weights from routing and splitting",
+        help="also time the copy-expert model with its routers zeroed, and with its bi experts set to the base FFN's "
+        "weights, cloned and aliased (informational rows): takes the routing cost, the second FFN pass and the "
+        "second set of weights apart",
     )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
@@ -248,7 +255,7 @@ def main() -> None:
         if copy_model is None:
             parser.error("--copy-controls needs a copy-expert model: pass a copy adapter in --adapters")
         models.update(copy_controls(copy_model))
-    informational = (CONTROL, COPY_CLONED, COPY_ALIASED)
+    informational = (CONTROL, COPY_ZERO, COPY_CLONED, COPY_ALIASED)
 
     rows = []
     for batch in args.batches:

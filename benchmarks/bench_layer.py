@@ -9,6 +9,9 @@ projections for the deltas). Routes are forced by pointing the
 routers along one direction and choosing the inputs' signs on it. Figures: per-layer time, the base FFN's time over
 the case's (a throughput ratio, paired per round) and the overhead in microseconds per layer and step. No target:
 it explains the decode rows of bench_decode.py.
+
+``--splits K ...`` times instead what a copy expert's mixed batch-8 decode step does to the FFN work, without
+UBMoE: the base FFNs on 8 rows in one pass against two passes of K and 8 - K rows (`split_passes`).
 """
 
 from __future__ import annotations
@@ -36,12 +39,63 @@ def forced_input(batch: int, route: str, direction: torch.Tensor, gen: torch.Gen
     return x * (sign * want).view(batch, 1, 1)  # (B, 1, C)
 
 
+def split_passes(args, threads: int) -> dict:
+    """The cost of a copy expert's mixed decode step, without UBMoE: every layer's base FFN (module calls) on 8 rows
+    in one pass (baseline), on 1 row, and in two passes of k and 8 - k rows, over the same FFN twice or over the FFN
+    of a second model with other weights. Rows are (8, 1, C) inputs, as in batch-8 decode."""
+    ffns = [layer.mlp for layer in build_model(args.shape, args.layers, args.device, args.dtype).model.layers]
+    others = [layer.mlp for layer in build_model(args.shape, args.layers, args.device, args.dtype, seed=1).model.layers]
+    x = torch.randn(8, 1, ffns[0].gate_proj.in_features, generator=torch.Generator().manual_seed(0))  # (8, 1, C)
+    x = x.to(args.device, getattr(torch, args.dtype))
+
+    def case(name: str, parts: list[tuple[list, torch.Tensor]]) -> Case:
+        def run() -> None:
+            with torch.inference_mode():
+                for _ in range(PASSES):
+                    for i in range(len(ffns)):
+                        for experts, rows in parts:
+                            experts[i](rows)
+
+        return Case(name, run)
+
+    cases = [case("one pass, 8 rows", [(ffns, x)]), case("one pass, 1 row", [(ffns, x[:1])])]
+    for k in args.splits:
+        a, b = x[:k], x[k:]  # (k, 1, C), (8 - k, 1, C)
+        cases.append(case(f"two passes, {k} + {8 - k} rows, same weights", [(ffns, a), (ffns, b)]))
+        cases.append(case(f"two passes, {k} + {8 - k} rows, two weight sets", [(ffns, a), (others, b)]))
+    timed = paired_times(cases, args.warmup, args.repeats)
+    per_layer = PASSES * len(ffns)
+    base_us = statistics.median(timed[0].times) / per_layer * 1e6
+    rows = []
+    for other in timed[1:]:
+        us = statistics.median(other.times) / per_layer * 1e6
+        stats = ratio_stats(timed[0], other)  # t_base / t_case
+        rows.append(row("layer", other.name, "us per layer", us, timed[0].name, base_us, stats, "informational", None))
+    return {
+        "name": "layer (split passes)",
+        "machine": machine() | {"torch_threads": threads},
+        "config": vars(args) | {"out": None, "layers": len(ffns), "passes": PASSES},
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=None,
+        help="instead: the base FFNs on 8 decode rows in one pass against two passes of k and 8 - k rows (for each k "
+        "given), over the same weights and over two sets (what a copy expert does on a mixed step), and one row",
+    )
     parser.set_defaults(repeats=15)
     args = parser.parse_args()
     threads = pin_threads(args.threads)
+    if args.splits is not None:
+        emit(split_passes(args, threads), args.out)
+        return
     model = wrap(build_model(args.shape, args.layers, args.device, args.dtype), "lora")
     layers = ubmoe_peft.modes.ubmoe_layers(model)
     gated = {id(layer): layer._gated_mlp for layer in layers}  # whether the FFN can run written out at all
