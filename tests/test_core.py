@@ -486,6 +486,10 @@ def test_use_mode_restores_previous_mode():
     assert ubmoe_peft.get_mode(model) == "uni"
     with pytest.raises(ValueError, match="Unknown mode 'sideways'"):
         ubmoe_peft.set_mode(model, "sideways")
+    with pytest.raises(ValueError, match=r"Unknown mode \['bi'\]"):  # not a bare TypeError (unhashable)
+        ubmoe_peft.set_mode(model, ["bi"])
+    with pytest.raises(ValueError, match=r"Unknown stage \['router'\]"):
+        ubmoe_peft.set_stage(model, ["router"])
 
 
 # ---- save / load --------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def _state(model: nn.Module) -> ModeState:
 
 def set_mode(model: nn.Module, mode: str) -> None:
     """Switch ``model`` to mode ``"uni"`` (base model), ``"bi"`` (embeddings) or ``"moe"`` (routed generation)."""
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
     _state(model).mode = mode
 
@@ -68,7 +68,7 @@ def _active_adapter(model: nn.Module) -> str:
 def set_stage(model: nn.Module, stage: str) -> None:
     """Prepare a training stage: ``"contrastive"`` (mode bi, only the bi experts train) or ``"router"`` (mode moe,
     only the routers train). Every other parameter of the model is frozen."""
-    if stage not in STAGES:
+    if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
     adapter = _active_adapter(model)
     layers = ubmoe_layers(model)
