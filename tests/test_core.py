@@ -478,6 +478,33 @@ def test_set_stage_trains_exactly_the_named_parameters(expert, stage):
         assert moved == (name in trainable), name
 
 
+def test_lora_dropout_applies_only_while_the_lora_expert_trains():
+    """Stage contrastive trains the LoRA weights with dropout on their input; stage router freezes them, and the
+    frozen expert then runs as at inference (like a copy expert), also in train mode, with the router's gradient."""
+    model, _ = wrap("llama", "lora", lora_dropout=0.5)
+    perturb_adapters(model, std=0.3)
+    ids, mask = batch()
+
+    def run() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask).logits
+
+    ubmoe_peft.set_stage(model, "contrastive")
+    model.train()
+    assert not torch.equal(run(), run())  # dropout draws differ
+    ubmoe_peft.set_stage(model, "router")
+    with torch.no_grad():
+        for layer in layers(model):
+            layer.ubmoe_router["default"].weight[1].fill_(0.05)  # send some tokens to the bi expert
+    model.train()
+    first = run()
+    first.square().mean().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "ubmoe_router" in n)
+    torch.testing.assert_close(run(), first, rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids, attention_mask=mask).logits, first, rtol=1e-6, atol=1e-6)
+    assert 0 < sum(ubmoe_peft.routing_stats(model).values()) < len(layers(model))  # both experts ran
+
+
 def test_use_mode_restores_previous_mode():
     model, _ = wrap()
     ubmoe_peft.set_mode(model, "uni")
