@@ -351,7 +351,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
         dropout = self.ubmoe_dropout[adapter]
-        if dropout.training and not next(iter(self.ubmoe_lora_A[adapter].values())).weight.requires_grad:
+        if dropout.training and not self._lora_a_weight(adapter).requires_grad:
             # A frozen expert (stage router) runs as at inference, like a copy expert: dropout regularizes training the
             # LoRA weights; on frozen ones it would only show the router a noisier bi expert than it will route to,
             # and it cost about 5% of a router step (docs/performance.md).
@@ -371,6 +371,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _lora_a_weight(self, adapter: str) -> torch.Tensor:
+        """One LoRA A weight of ``adapter``: the expert's dtype and whether it trains (all its weights share both)."""
+        return next(iter(self.ubmoe_lora_A[adapter].values())).weight
 
     def _uni_expert(self, x: torch.Tensor) -> torch.Tensor:
         """The original FFN on every token of ``x`` (at inference the gated MLP written out: bit-identical, faster)."""
@@ -429,7 +433,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         elif lora:  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
             scale = self.scaling[adapter]
             # In the rank-r side's dtype (a model cast whole to bf16 has bf16 LoRA weights), not torch's default one.
-            dtype = next(iter(self.ubmoe_lora_A[adapter].values())).weight.dtype
+            dtype = self._lora_a_weight(adapter).dtype
             if picks is not None:  # the column built on the host in one op
                 rows = [[scale if pick else 0.0] for pick in picks]
                 column = torch.tensor(rows, dtype=dtype, device=x.device)  # (N, 1)
