@@ -13,7 +13,7 @@ in-batch-negatives contrastive loss, AdamW, gradient checkpointing). It reports
   with glibc told to return freed memory at once so that resident memory follows live tensors.
 
 Ratios are 4-bit / bf16 from the same run. Target: 4-bit decoder-layer linear weights <= 0.35x of bf16.
-Run: ``python benchmarks/bench_qlora_memory.py`` (about 3 minutes on 2 CPU cores); writes results_qlora.json.
+Run: ``python benchmarks/bench_qlora_memory.py`` (3-5 minutes on 2 CPU cores); writes results_qlora.json.
 """
 
 from __future__ import annotations

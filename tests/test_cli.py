@@ -139,13 +139,76 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-lm", "--data", "{texts}", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
         (["eval-sts", "--data", "{sts}", "--dtype", "int8"], ValueError, "--dtype 'int8' is not one of"),
         (["eval-sts", "--data", "{model}/config.json.bak"], ValueError, "suffix '.bak'"),
+        (
+            ["train-contrastive", "--data", "{sts}"],
+            ValueError,
+            "sentence pairs with a 'score'.*every pair as a positive",
+        ),
+        (["eval-sts", "--data", "{bad}/empty_cell.tsv"], ValueError, "row 1 .* has an empty 'sentence2'"),
+        (["eval-sts", "--data", "{bad}/no_score.tsv"], ValueError, "row 0 .* has an empty 'score'"),
+        (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
+        (["eval-lm", "--data", "{bad}/unlabeled.jsonl"], ValueError, "Row 0: label -1 is not a 0-based index of its 2"),
+        (["eval-lm", "--data", "{bad}/one_choice.jsonl"], ValueError, "Row 0: choices must be a list of at least 2"),
+        (["train-router", "--adapter", "a", "--data", "{bad}/no_turns.jsonl"], ValueError, "empty 'messages'"),
+        (["dependence", "--data", "{bad}/no_user.jsonl"], ValueError, r"Chat row 0 .* no user turn \(roles \['system'"),
+        (["eval-sts", "--data", "{sts}", "--prompt", "Say {{sentence}}:"], ValueError, "the placeholder .{sentence}."),
+        (["eval-sts", "--data", "{sts}", "--batch_size", "0"], ValueError, "--batch_size 0 .* must both be positive"),
+        (["eval-lm", "--data", "{texts}", "--max_rows", "-1"], ValueError, "--max_rows -1: give a positive number"),
+        (["eval-sts", "--data", "{sts}", "--output", "{bad}/nodir/r.json"], ValueError, "folder '.*nodir' does not"),
+        (["eval-sts", "--data", "{sts}", "--output", "{bad}"], ValueError, "is a folder; name a file in it"),
+        (["train-router", "--adapter", "a", "--output_dir", "{model}"], ValueError, "holds a model .*new folder"),
+        (["train-contrastive", "--output_dir", "{model}"], ValueError, "holds a model .*new folder"),
+        (["train-contrastive", "--data", "{texts}", "--expert_type", "copy"], ValueError, "SimCSE.*has none"),
+        (["train-contrastive", "--data", "{texts}", "--lora_dropout", "0"], ValueError, "lora_dropout=0.0\\) has none"),
     ],
 )
-def test_bad_input_is_named_with_the_fix(files, argv, error, message):
+def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (Path(files["model"]) / "config.json.bak").write_text("{}")
-    argv = [a.format(**files) for a in argv]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "empty_cell.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t\t2.0\n")
+    (bad / "no_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t\n")
+    rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
+    (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bad / "unlabeled.jsonl").write_text(json.dumps({"question": w(3), "choices": [w(4), w(5)], "label": -1}) + "\n")
+    (bad / "one_choice.jsonl").write_text(json.dumps({"question": w(3), "choices": [w(4)], "label": 0}) + "\n")
+    (bad / "no_turns.jsonl").write_text(json.dumps({"messages": []}) + "\n")
+    no_user = {"messages": [{"role": "system", "content": w(3)}, {"role": "assistant", "content": w(4)}]}
+    (bad / "no_user.jsonl").write_text(json.dumps(no_user) + "\n")
+    argv = [a.format(bad=bad, **files) for a in argv]
     with pytest.raises(error, match=message):
         run([argv[0], "--model", files["model"], *argv[1:]])
+
+
+def test_a_wrong_model_folder_is_named_with_the_fix(files, tmp_path):
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig()).save_pretrained(adapter)
+    sts = ["eval-sts", "--data", files["sts"], "--device", "cpu"]
+    with pytest.raises(ValueError, match="has no config.json.*It holds a PEFT adapter: pass it as --adapter"):
+        run([*sts, "--model", str(adapter)])
+    both = tmp_path / "both"  # a model folder an adapter was saved into: transformers would load it unasked
+    get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig()).save_pretrained(both)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (both / name).write_bytes((Path(files["model"]) / name).read_bytes())
+    with pytest.raises(ValueError, match="holds a model and an adapter"):
+        run([*sts, "--model", str(both)])
+    (Path(files["model"]) / "tokenizer.json").unlink()
+    (Path(files["model"]) / "tokenizer_config.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer .* tokenizer.save_pretrained"):
+        run([*sts, "--model", files["model"]])
+    with pytest.raises(ValueError, match="'no-such-model' is not a local folder .* Pass a model folder"):
+        run([*sts, "--model", "no-such-model"])
+
+
+def test_blank_lines_of_a_text_file_are_not_texts(files, tmp_path):
+    lines = Path(files["texts"]).read_text().splitlines()[:6]
+    spaced = tmp_path / "spaced.txt"
+    spaced.write_text("\n\n".join(lines) + "\n\n  \n")
+    compact = tmp_path / "compact.txt"
+    compact.write_text("\n".join(lines) + "\n")
+    model = ["--model", files["model"], "--device", "cpu", "--modes", "uni"]
+    with_blanks = run(["eval-lm", *model, "--data", str(spaced)])
+    assert with_blanks == run(["eval-lm", *model, "--data", str(compact)]) and with_blanks["uni"]["tokens"] == 6 * 9
 
 
 def test_words_fixture_matches_the_tokenizer(tokenizer):

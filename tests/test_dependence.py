@@ -55,3 +55,10 @@ def test_mode_bi_depends_on_later_tokens_and_matches_a_manual_count(model, token
 def test_bad_texts_are_refused(model, tokenizer):
     with pytest.raises(ValueError, match="non-empty list"):
         attention_dependence(model, tokenizer, "one string")
+
+
+def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
+    with pytest.raises(ValueError, match=r"texts\[1\] is '' \(2 such texts\): every text must be non-empty"):
+        attention_dependence(model, tokenizer, [w(5, 6), "", "  "])
+    with pytest.raises(ValueError, match=r"texts\[0\] is None"):
+        attention_dependence(model, tokenizer, [None])

@@ -62,8 +62,24 @@ def test_training_the_sentence_transformer_trains_the_experts(tokenizer):
 
 
 def test_unwrapped_model_is_refused(tokenizer):
-    with pytest.raises(ValueError, match="no UBMoE layers"):
+    with pytest.raises(ValueError, match="no UBMoE layers.*merge_and_unload\\(target='bi'\\) is a plain"):
         to_sentence_transformer(tiny_model(), tokenizer)
+
+
+def test_bad_arguments_and_inputs_are_named(tokenizer):
+    model = _wrapped()
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got str 'model_dir'"):
+        to_sentence_transformer(model, "model_dir")
+    with pytest.raises(TypeError, match="model must be the UBMoE model .* got str 'model_dir'"):
+        to_sentence_transformer("model_dir", tokenizer)
+    with pytest.raises(ValueError, match="max_length=0: give the longest input in tokens"):
+        to_sentence_transformer(model, tokenizer, max_length=0)
+    with pytest.raises(ValueError, match="placeholder '{sentence}'"):
+        to_sentence_transformer(model, tokenizer, prompt="Say {sentence}")
+    st = to_sentence_transformer(model, tokenizer, prompt="{text} {")  # a lone brace is text, not a placeholder
+    assert st[0].preprocess([w(5)])["input_ids"].shape[0] == 1
+    with pytest.raises(TypeError, match="Text 1 to embed is NoneType None; this model embeds strings only"):
+        st.encode([w(5), None])
 
 
 def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_path):

@@ -88,7 +88,7 @@ def test_likelihood_scores_refuse_mode_bi(model, tokenizer):
     with pytest.raises(ValueError, match="mode 'bi' are meaningless"):
         lm_loss(model, tokenizer, [w(5, 6, 7)], mode="bi")
     with ubmoe_peft.use_mode(model, "bi"), pytest.raises(ValueError, match="mode 'bi' are meaningless"):
-        multiple_choice_accuracy(model, tokenizer, [{"question": w(5), "choices": [w(6)], "label": 0}])
+        multiple_choice_accuracy(model, tokenizer, [{"question": w(5), "choices": [w(6), w(7)], "label": 0}])
     assert lm_loss(tiny_model(), tokenizer, [w(5, 6, 7)])["tokens"] == 2  # a plain model has no modes to refuse
 
 
@@ -104,3 +104,42 @@ def test_likelihood_scores_refuse_mode_bi(model, tokenizer):
 def test_bad_rows_are_named(model, tokenizer, call, message):
     with pytest.raises(ValueError, match=message):
         call(model, tokenizer)
+
+
+def test_bad_examples_are_named_not_scored(model, tokenizer):
+    with pytest.raises(TypeError, match="examples must be a list of texts or rows, got str"):
+        lm_loss(model, tokenizer, w(5, 6, 7))
+    with pytest.raises(ValueError, match="Example 1 \\(''\\) has no tokens"):
+        lm_loss(model, tokenizer, [w(5, 6, 7), ""])
+    with pytest.raises(TypeError, match="sentences1 must be a list of texts, got str"):
+        sts_spearman(model, tokenizer, w(5), w(6), [1.0, 2.0])
+    with pytest.raises(ValueError, match="sentences2\\[1\\] is None"):
+        sts_spearman(model, tokenizer, [w(5), w(6)], [w(7), None], [1.0, 2.0])
+    with pytest.raises(ValueError, match="All 2 gold scores are 3.0: a rank correlation with constant scores"):
+        sts_spearman(model, tokenizer, [w(5), w(6)], [w(7), w(8)], [3.0, 3.0])
+    row = {"question": w(5), "choices": [w(6), w(7)]}
+    for label, message in [(-1, "label -1 is not a 0-based index of its 2 choices"), ("A", "label 'A' is not")]:
+        with pytest.raises(ValueError, match=message):
+            multiple_choice_accuracy(model, tokenizer, [{**row, "label": label}])
+    with pytest.raises(ValueError, match="choices must be a list of at least 2 answers, got 'ab'"):
+        multiple_choice_accuracy(model, tokenizer, [{**row, "choices": "ab", "label": 0}])
+    as_text = multiple_choice_accuracy(model, tokenizer, [{**row, "label": "1"}])  # a label read from a text column
+    assert as_text == multiple_choice_accuracy(model, tokenizer, [{**row, "label": 1}])
+
+
+def test_track_routing_counts_every_batch_not_only_the_last(model, tokenizer):
+    texts = [w(*range(i, i + 4 + i % 5)) for i in range(5, 14)]  # 9 texts of different lengths: padding in play
+    with ubmoe_peft.track_routing(model) as whole:
+        lm_loss(model, tokenizer, texts, mode="moe", batch_size=2)
+    routed, real = {}, 0.0
+    for text in texts:  # one text per forward: no padding, every token real
+        lm_loss(model, tokenizer, [text], mode="moe")
+        for layer, share in ubmoe_peft.routing_stats(model).items():
+            routed[layer] = routed.get(layer, 0.0) + share * len(tokenizer(text)["input_ids"])
+        real += len(tokenizer(text)["input_ids"])
+    expected = {layer: r / real for layer, r in routed.items()}
+    assert whole.shares() == pytest.approx(expected) and 0 < whole.mean() < 1
+    assert whole.mean() == pytest.approx(sum(expected.values()) / len(expected))
+    with ubmoe_peft.track_routing(model) as none:  # modes uni and bi route nothing; the forwards before do not count
+        lm_loss(model, tokenizer, texts, mode="uni")
+    assert none.shares() is None and none.mean() is None

@@ -126,10 +126,33 @@ def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp
         ContrastiveTrainer(model, tokenizer, args=RouterConfig(output_dir=str(tmp_path)))
 
 
+def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    stage1 = ContrastiveConfig(output_dir=str(tmp_path), **QUIET)
+    with pytest.raises(ValueError, match="ContrastiveTrainer got a train_dataset with no rows"):
+        ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_pairs().select([]))
+    with pytest.raises(ValueError, match=r"one column \['text'\].*contrastive_pairs"):
+        ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_texts())
+    with pytest.raises(TypeError, match="needs the model's tokenizer"):
+        ContrastiveTrainer(model, args=stage1, train_dataset=_pairs())
+    trainer = ContrastiveTrainer(model, processing_class=tokenizer, args=stage1, train_dataset=_pairs())  # TRL's name
+    assert trainer.sentence_transformer[0].tokenizer is tokenizer
+
+    stage2 = RouterConfig(output_dir=str(tmp_path), **QUIET)
+    with pytest.raises(ValueError, match="RouterTrainer got a train_dataset with no rows"):
+        RouterTrainer(model, args=stage2, train_dataset=_texts().select([]), processing_class=tokenizer)
+    with pytest.raises(
+        ValueError, match=r"columns \['anchor', 'positive', 'negative'\]; it needs columns \(messages\)"
+    ):
+        RouterTrainer(model, args=stage2, train_dataset=_pairs(), processing_class=tokenizer)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(prompt="{text} and {text}"), "more than one"),
+        (dict(prompt="Sentence {sentence} means"), "placeholder '{sentence}'; the text's placeholder is '{text}'"),
+        (dict(prompt="Sentence {} means"), "placeholder '{}'"),
         (dict(max_length=0), "must both be positive"),
         (dict(scale=-1.0), "must both be positive"),
     ],

@@ -5,7 +5,7 @@ Importing this package registers the ``UBMOE`` method with PEFT, so ``peft.get_p
 """
 
 from .dependence import DependenceResult, attention_dependence
-from .modes import get_mode, routing_stats, set_mode, set_stage, use_mode
+from .modes import get_mode, routing_stats, set_mode, set_stage, track_routing, use_mode
 from .tuners.ubmoe import UBMoEConfig, UBMoELayer, UBMoEModel
 
 __version__ = "0.1.0"
@@ -42,5 +42,6 @@ __all__ = [
     "set_mode",
     "set_stage",
     "to_sentence_transformer",
+    "track_routing",
     "use_mode",
 ]

@@ -14,6 +14,7 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,10 @@ class DataArgs:
     split: str = field(default="train", metadata={"help": "Split to read from a hub dataset or folder."})
     max_rows: int | None = field(default=None, metadata={"help": "Use at most this many rows (the first ones)."})
 
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"--max_rows {self.max_rows}: give a positive number of rows, or leave it out for all.")
+
 
 @dataclass
 class EvalArgs:
@@ -61,6 +66,23 @@ class EvalArgs:
     batch_size: int = field(default=8, metadata={"help": "Texts per forward."})
     max_length: int = field(default=256, metadata={"help": "Longest input in tokens."})
     output: str | None = field(default=None, metadata={"help": "Also write the results as JSON to this file."})
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_length < 1:
+            raise ValueError(
+                f"--batch_size {self.batch_size} and --max_length {self.max_length} must both be positive "
+                "(texts per forward and tokens per text, e.g. 8 and 256)."
+            )
+        if self.output is not None:  # checked now, not after the whole evaluation has run
+            path = Path(self.output)
+            if path.is_dir():
+                raise ValueError(
+                    f"--output {self.output!r} is a folder; name a file in it, e.g. {path / 'results.json'}."
+                )
+            if not path.parent.is_dir():
+                raise ValueError(
+                    f"--output {self.output!r}: folder {str(path.parent)!r} does not exist; create it first."
+                )
 
 
 @dataclass
@@ -115,8 +137,17 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     if args.model == "smollm2":
         model, tokenizer = load_smollm2(dtype=dtypes[args.dtype])
     else:
-        tokenizer = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtypes[args.dtype])
+        _check_model_folder(args)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
+            model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtypes[args.dtype])
+        except OSError as err:
+            if Path(args.model).exists():
+                raise
+            raise ValueError(
+                f"--model {args.model!r} is not a local folder (relative to {Path.cwd()}), and loading it as a hub "
+                f"model id failed ({str(err).splitlines()[0]}). Pass a model folder or a reachable hub id."
+            ) from err
         if args.gguf_file:
             clear_gguf_markers(model)
         if tokenizer.pad_token is None:
@@ -127,6 +158,45 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     else:
         model = get_peft_model(model, UBMoEConfig(**(new_adapter or {})))
     return model.train(trainable), tokenizer
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _check_model_folder(args: ModelArgs) -> None:
+    """A local --model is a whole model folder: not an adapter folder, and not one holding an adapter too (transformers
+    would load that adapter into the base model on its own, and ours would then wrap a model already adapted)."""
+    folder = Path(args.model)
+    if not folder.is_dir() or args.gguf_file:
+        return
+    has = {p.name for p in folder.iterdir()}
+    if "config.json" not in has:
+        hint = (
+            " It holds a PEFT adapter: pass it as --adapter, and the base model as --model."
+            if "adapter_config.json" in has
+            else ""
+        )
+        raise ValueError(f"--model {args.model!r} has no config.json, so it is not a transformers model folder.{hint}")
+    if "adapter_config.json" in has:
+        raise ValueError(
+            f"--model {args.model!r} holds a model and an adapter (adapter_config.json), which transformers would load "
+            "into the base model unasked. Keep adapters in folders of their own: move the adapter's files out and "
+            "pass that folder as --adapter."
+        )
+    if not has & set(_TOKENIZER_FILES):
+        raise ValueError(
+            f"--model {args.model!r} has no tokenizer ({' / '.join(_TOKENIZER_FILES)}). Save it beside the model: "
+            "tokenizer.save_pretrained(folder)."
+        )
+
+
+def _check_adapter_output(output_dir: str) -> None:
+    """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`)."""
+    if (Path(output_dir) / "config.json").exists():
+        raise ValueError(
+            f"--output_dir {output_dir!r} holds a model (config.json); saving the adapter there would make "
+            "transformers load it into that model on every later load. Choose a new folder for the adapter."
+        )
 
 
 def _modes(args: EvalArgs, default: list[str]) -> list[str]:
@@ -178,27 +248,23 @@ def eval_lm(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, An
     """Language-model loss and perplexity (or multiple-choice accuracy), per mode (default: uni and moe)."""
     from .data import load_rows
     from .evaluation import lm_loss, multiple_choice_accuracy
+    from .modes import track_routing
 
     rows = load_rows(data.data, "lm", data.split, data.max_rows)
     model, tokenizer = load_model(model_args)
     choice = rows.column_names[0] == "question"
     results = {}
     for mode in _modes(ev, ["uni", "moe"]):
-        if choice:
-            results[mode] = multiple_choice_accuracy(model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length)
-        else:
-            results[mode] = lm_loss(model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length)
-        stats = _routing_share(model) if mode == "moe" else None
-        if stats is not None:
-            results[mode]["bi_share"] = stats
+        with track_routing(model) as routing:  # every batch's routing, not only the last forward's
+            if choice:
+                results[mode] = multiple_choice_accuracy(
+                    model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length
+                )
+            else:
+                results[mode] = lm_loss(model, tokenizer, list(rows), mode, ev.batch_size, ev.max_length)
+        if mode == "moe" and routing.mean() is not None:
+            results[mode]["bi_share"] = 100 * routing.mean()  # percent of real tokens, mean over layers
     return _report(results, ev, f"{'Multiple choice' if choice else 'Language model'} ({len(rows)} rows)")
-
-
-def _routing_share(model: Any) -> float | None:
-    from .modes import routing_stats
-
-    shares = routing_stats(model)
-    return 100 * sum(shares.values()) / len(shares) if shares else None
 
 
 def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, Any]:
@@ -228,8 +294,18 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
             f"{sorted(changed)} set a new adapter's shape, but --adapter {model_args.adapter} is loaded with its own "
             "saved settings. Drop those options to continue training it, or drop --adapter to start a new one."
         )
-    rows = contrastive_pairs(load_rows(data.data, "contrastive", data.split, data.max_rows))
+    _check_adapter_output(config.output_dir)
+    rows = load_rows(data.data, "contrastive", data.split, data.max_rows)
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
+    adapter_config = model.peft_config[model.active_adapter]
+    if rows.column_names == ["text"] and (adapter_config.expert_type == "copy" or not adapter_config.lora_dropout):
+        raise ValueError(
+            f"Data {data.data!r} has one text column, so each text is paired with itself (unsupervised SimCSE), whose "
+            f"two views differ only by dropout; this adapter (expert_type={adapter_config.expert_type!r}, "
+            f"lora_dropout={adapter_config.lora_dropout}) has none, so every pair would be two identical embeddings. "
+            "Use the LoRA expert with --lora_dropout 0.05 or more, or pairs of texts (anchor, positive[, negative])."
+        )
+    rows = contrastive_pairs(rows)
     ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train()
     model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe train-router --adapter {config.output_dir}")
@@ -243,6 +319,7 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
 
     if model_args.adapter is None:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
+    _check_adapter_output(config.output_dir)
     rows = load_rows(data.data, "sft", data.split, data.max_rows)
     model, tokenizer = load_model(model_args, trainable=True)
     RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer).train()

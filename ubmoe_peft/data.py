@@ -43,6 +43,8 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
                 )
             extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
             rows = load_dataset(loader, data_files=str(path), split="train", **extra)
+            if loader == "text":  # one text per line: blank lines separate texts, they are not texts
+                rows = rows.filter(lambda row: bool(row["text"].strip()))
         else:
             rows = load_dataset(spec, split=split)
     except (FileNotFoundError, ConnectionError) as err:
@@ -55,12 +57,36 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
         rows = rows.select(range(limit))
     if len(rows) == 0:
         raise ValueError(f"Data {spec!r} has no rows for {task!r}.")
+    _check_cells(rows, spec)
     return rows
+
+
+def _check_cells(rows: Any, spec: str) -> None:
+    """Refuse a missing or empty cell: read on, it would be the text "None", a crash deep in a trainer, or an empty
+    text scored as if it were data."""
+    for column in rows.column_names:
+        for i, value in enumerate(rows[column]):
+            empty = value is None or (
+                isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value)
+            )
+            if empty:
+                raise ValueError(
+                    f"Data {spec!r}: row {i} (counting from 0) has an empty {column!r} ({value!r}). Fill it in or "
+                    "drop the row."
+                )
 
 
 def _select(rows: Any, task: str, spec: str) -> Any:
     for columns in COLUMNS[task]:
         if set(columns) <= set(rows.column_names):
+            graded = {"score", "label"} & set(rows.column_names)
+            if task == "contrastive" and columns == ("sentence1", "sentence2") and graded:
+                raise ValueError(
+                    f"Data {spec!r} has columns {rows.column_names}: sentence pairs with a {sorted(graded)[0]!r} "
+                    "(STS or NLI data). Contrastive training would take every pair as a positive, whatever its "
+                    "score. Use pairs that mean the same (anchor, positive[, negative]), or drop that column if "
+                    "every pair is a positive."
+                )
             return rows.select_columns(list(columns))
     wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])
     raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.")
@@ -69,9 +95,19 @@ def _select(rows: Any, task: str, spec: str) -> Any:
 def texts_of(rows: Any) -> list[str]:
     """Plain texts of a 'texts' dataset (chat rows give their first user turn)."""
     column = rows.column_names[0]
-    if column == "messages":
-        return [next(m["content"] for m in msgs if m["role"] == "user") for msgs in rows["messages"]]
-    return [str(t) for t in rows[column]]
+    if column != "messages":
+        return [str(t) for t in rows[column]]
+    texts = []
+    for i, messages in enumerate(rows["messages"]):
+        user = [m["content"] for m in messages if m.get("role") == "user"]
+        if not user:
+            roles = [m.get("role") for m in messages]
+            raise ValueError(
+                f"Chat row {i} (counting from 0) has no user turn (roles {roles}); the text measured is a chat's "
+                "first user turn."
+            )
+        texts.append(user[0])
+    return texts
 
 
 def contrastive_pairs(rows: Any) -> Any:

@@ -52,7 +52,7 @@ class DemoArgs:
 def _measure(model: Any, tokenizer: Any, data: dict[str, Any], modes: dict[str, list[str]]) -> dict[str, Any]:
     from .dependence import attention_dependence
     from .evaluation import lm_loss, sts_spearman
-    from .modes import routing_stats
+    from .modes import track_routing
     from .trainers import PAPER_PROMPT
 
     sts, held_out, texts = data["sts"], data["held_out"], data["texts"]
@@ -62,9 +62,10 @@ def _measure(model: Any, tokenizer: Any, data: dict[str, Any], modes: dict[str, 
             model, tokenizer, sts["sentence1"], sts["sentence2"], sts["score"], mode=mode, prompt=PAPER_PROMPT
         )
     for mode in modes["lm"]:
-        out["lm"][mode] = lm_loss(model, tokenizer, held_out, mode=mode)
+        with track_routing(model) as routing:  # every batch of the held-out chats, not only the last
+            out["lm"][mode] = lm_loss(model, tokenizer, held_out, mode=mode)
         if mode == "moe":
-            out["routing"] = {str(k): 100 * v for k, v in (routing_stats(model) or {}).items()}
+            out["routing"] = {str(k): 100 * v for k, v in (routing.shares() or {}).items()}
     for mode in modes["dependence"]:
         out["dependence"][mode] = attention_dependence(model, tokenizer, texts, mode=mode).average
     return out

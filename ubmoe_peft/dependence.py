@@ -65,6 +65,12 @@ def attention_dependence(
     """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers."""
     if isinstance(texts, str) or not texts:
         raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}.")
+    blank = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
+    if blank:
+        raise ValueError(
+            f"texts[{blank[0]}] is {texts[blank[0]]!r} ({len(blank)} such texts): every text must be non-empty "
+            "(a blank line of a text file is one)."
+        )
     device = next(model.parameters()).device
     totals: torch.Tensor | None = None  # (L, 3) sums over texts
     switch = use_mode(model, mode) if mode is not None else nullcontext()

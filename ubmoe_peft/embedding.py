@@ -7,6 +7,7 @@ and switch it to mode bi around every forward, so it is a small `InputModule` of
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,23 @@ def _backbone(model: nn.Module) -> nn.Module:
     return getattr(inner, "base_model", inner)
 
 
+def check_prompt(prompt: str | None) -> None:
+    """An embedding prompt has at most one ``{text}`` and no other placeholder (``{sentence}``, ``{}``: a typo that
+    would leave the braces in every text and append the text at the end)."""
+    if prompt is None:
+        return
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a string or None, got {type(prompt).__name__} {prompt!r}.")
+    if prompt.count("{text}") > 1:
+        raise ValueError(f"prompt={prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+    others = [p for p in re.findall(r"\{[^{}]*\}", prompt) if p != "{text}"]
+    if others:
+        raise ValueError(
+            f"prompt={prompt!r} has the placeholder {others[0]!r}; the text's placeholder is '{{text}}' "
+            "(without one, the text is appended)."
+        )
+
+
 class UBMoEEncoder(InputModule):
     """Tokenizes (optionally inside a ``{text}`` template) and returns token embeddings in ``mode`` (bi)."""
 
@@ -42,8 +60,9 @@ class UBMoEEncoder(InputModule):
         self, model: nn.Module, tokenizer: Any, prompt: str | None = None, max_length: int = 512, mode: str = "bi"
     ) -> None:
         super().__init__()
-        if prompt is not None and prompt.count("{text}") > 1:
-            raise ValueError(f"prompt={prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+        check_prompt(prompt)
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length={max_length!r}: give the longest input in tokens, a positive integer.")
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)} ('bi' for embeddings).")
         self.mode = mode
@@ -60,7 +79,11 @@ class UBMoEEncoder(InputModule):
         return self.prompt.replace("{text}", text) if "{text}" in self.prompt else self.prompt + text
 
     def preprocess(self, inputs: Sequence[str], prompt: str | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
-        texts = [(prompt or "") + self._apply_prompt(str(t)) for t in inputs]
+        wrong = [(i, t) for i, t in enumerate(inputs) if not isinstance(t, str)]
+        if wrong:  # str(None) would be embedded as the text "None"
+            i, value = wrong[0]
+            raise TypeError(f"Text {i} to embed is {type(value).__name__} {value!r}; this model embeds strings only.")
+        texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
         return dict(
             self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         )
@@ -103,9 +126,21 @@ def to_sentence_transformer(
     ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt. ``mode`` is for comparisons
     only: "uni" embeds with the base model (causal attention), as a baseline.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be the UBMoE model (a torch module), got {type(model).__name__} {str(model)[:60]!r}; load it "
+            "first, e.g. PeftModel.from_pretrained(base, adapter_dir)."
+        )
+    if isinstance(tokenizer, (str, Path)) or not callable(tokenizer) or not hasattr(tokenizer, "pad_token"):
+        raise TypeError(
+            f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__} {str(tokenizer)[:60]!r}; "
+            "load it with AutoTokenizer.from_pretrained(...)."
+        )
     if not ubmoe_layers(model):
         raise ValueError(
-            f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig())."
+            f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig()). A "
+            "model exported with merge_and_unload(target='bi') is a plain bidirectional model: embed it with "
+            "sentence-transformers directly (SentenceTransformer(modules=[Transformer(folder), Pooling(...)]))."
         )
     encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length, mode=mode)
     pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)

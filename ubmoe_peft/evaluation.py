@@ -37,10 +37,20 @@ def sts_spearman(
 
     from .embedding import to_sentence_transformer
 
-    if not (len(sentences1) == len(sentences2) == len(scores)) or len(scores) < 2:
+    _check_texts(sentences1, "sentences1")
+    _check_texts(sentences2, "sentences2")
+    if isinstance(scores, str) or not (len(sentences1) == len(sentences2) == len(scores)) or len(scores) < 2:
         raise ValueError(
             f"STS needs at least 2 rows and as many sentences1 ({len(sentences1)}), sentences2 ({len(sentences2)}) "
             f"as scores ({len(scores)})."
+        )
+    bad = [i for i, s in enumerate(scores) if isinstance(s, bool) or not isinstance(s, (int, float))]
+    if bad or not all(math.isfinite(s) for s in scores):
+        raise ValueError(f"STS scores must be finite numbers; score {bad[0] if bad else 'of some row'} is not.")
+    if len(set(scores)) < 2:
+        raise ValueError(
+            f"All {len(scores)} gold scores are {scores[0]}: a rank correlation with constant scores is undefined. "
+            "Pass pairs with different gold scores."
         )
     st = to_sentence_transformer(model, tokenizer, pooling=pooling, prompt=prompt, max_length=max_length, mode=mode)
     evaluator = EmbeddingSimilarityEvaluator(
@@ -54,6 +64,15 @@ def sts_spearman(
     )
     with _evaluating(model):
         return 100 * float(evaluator(st)[evaluator.primary_metric])
+
+
+def _check_texts(texts: Any, name: str) -> None:
+    """``texts`` is a list of non-empty strings (a single string would be read character by character)."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"{name} must be a list of texts, got {type(texts).__name__} {str(texts)[:60]!r}.")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{name}[{i}] is {text!r}: every entry must be a non-empty text.")
 
 
 def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
@@ -95,7 +114,7 @@ def _continuation_logprobs(
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
         seqs = [(ctx + cont)[-max_length:] for ctx, cont in chunk]
-        n_cont = [min(len(cont), len(seq) - 1) for (_, cont), seq in zip(chunk, seqs, strict=True)]
+        n_cont = [max(0, min(len(cont), len(seq) - 1)) for (_, cont), seq in zip(chunk, seqs, strict=True)]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T) right-padded
         mask = torch.zeros_like(ids)  # (B, T)
@@ -145,9 +164,20 @@ def lm_loss(
 
     Scored: every token but the first of a text; the completion of a prompt/completion row; the last turn of a chat.
     """
+    if isinstance(examples, (str, dict)) or not isinstance(examples, Sequence):
+        raise TypeError(
+            f"examples must be a list of texts or rows, got {type(examples).__name__} {str(examples)[:60]!r}; "
+            "wrap a single example in a list."
+        )
     if not examples:
         raise ValueError("lm_loss needs at least one example.")
     pairs = [_pair(tokenizer, ex) for ex in examples]
+    empty = [i for i, (context, continuation) in enumerate(pairs) if not context and not continuation]
+    if empty:
+        raise ValueError(
+            f"Example {empty[0]} ({examples[empty[0]]!r}) has no tokens ({len(empty)} such examples): drop empty texts "
+            "(a blank line of a text file is one)."
+        )
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     tokens = sum(n for _, n in scored)
     if tokens == 0:
@@ -171,11 +201,23 @@ def multiple_choice_accuracy(
         missing = {"question", "choices", "label"} - set(row)
         if missing:
             raise ValueError(f"Row {i} lacks {sorted(missing)}; multiple-choice rows need question, choices, label.")
+        choices, label = row["choices"], row["label"]
+        if isinstance(label, str) and label.strip().isdigit():  # "1" from a text column
+            label = int(label)
+        if isinstance(choices, str) or not isinstance(choices, Sequence) or len(choices) < 2:
+            raise ValueError(f"Row {i}: choices must be a list of at least 2 answers, got {choices!r}.")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+            raise ValueError(
+                f"Row {i}: label {label!r} is not a 0-based index of its {len(choices)} choices "
+                f"(0..{len(choices) - 1}); rows without a known answer cannot be scored."
+            )
         context = f"Question: {row['question']}\nAnswer:"
-        spans.append((len(pairs), len(row["choices"]), int(row["label"])))
+        spans.append((len(pairs), len(choices), label))
         for choice in row["choices"]:
             pairs.append(_pair(tokenizer, {"prompt": context, "completion": f" {choice}"}))
             bytes_.append(max(1, len(f" {choice}".encode())))
+    if not spans:
+        raise ValueError("multiple_choice_accuracy needs at least one row.")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     right = right_norm = 0
     for first, count, label in spans:

@@ -1,4 +1,5 @@
-"""Public mode and stage switches: `set_mode`, `get_mode`, `use_mode`, `set_stage`, `routing_stats`."""
+"""Public mode and stage switches: `set_mode`, `get_mode`, `use_mode`, `set_stage`, `routing_stats`,
+`track_routing`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from contextlib import contextmanager
 from torch import nn
 
 from .tuners.ubmoe.layer import UBMoELayer
-from .tuners.ubmoe.state import MODES, ModeState
+from .tuners.ubmoe.state import MODES, ModeState, RoutingTally
 
 STAGES = {"contrastive": "bi", "router": "moe"}
 
@@ -87,3 +88,22 @@ def routing_stats(model: nn.Module) -> dict[int, float] | None:
     """{layer index: share of real tokens sent to the bi expert} in the last mode-moe forward (top_k=2: the mean bi
     weight); None before any mode-moe forward."""
     return _state(model).shares()
+
+
+@contextmanager
+def track_routing(model: nn.Module) -> Iterator[RoutingTally]:
+    """Sum the routing of every mode-moe forward in the block (a whole evaluation, or every step of ``generate``):
+    ``tally.shares()`` is {layer index: share of all real tokens sent to the bi expert}, ``tally.mean()`` its mean
+    over layers. `routing_stats` keeps only the last forward."""
+    state = _state(model)
+    tally = RoutingTally()
+    state.tally()  # open blocks get the last forward's routing now; the new block starts from the next forward
+    state.tallies.append(tally)
+    state._tallied = state.routing
+    try:
+        yield tally
+    finally:
+        state.tally()  # the block's last forward
+        state.tallies.remove(tally)
+        if not state.tallies:
+            state._tallied = None  # keep no routing tensors alive for nothing

@@ -34,6 +34,23 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 PAPER_PROMPT = 'The representative word for sentence {text} is:"'
 
 
+def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | None = None) -> None:
+    """A train dataset with rows and, when ``needs`` is given, one of its column sets (else a clear error now, not a
+    bare KeyError or StopIteration from inside the library that reads it)."""
+    if dataset is None or not hasattr(dataset, "column_names"):  # an IterableDataset or a dict of them: theirs
+        return
+    try:
+        empty = len(dataset) == 0
+    except TypeError:
+        empty = False
+    if empty:
+        raise ValueError(f"{trainer} got a train_dataset with no rows; pass the data to train on.")
+    columns = dataset.column_names
+    if isinstance(columns, list) and needs and not any(set(c) <= set(columns) for c in needs):
+        wanted = " or ".join("(" + ", ".join(c) + ")" for c in needs)
+        raise ValueError(f"{trainer}'s train_dataset has columns {columns}; it needs columns {wanted}.")
+
+
 def _require_ubmoe(model: Any, trainer: str) -> None:
     if not isinstance(model, nn.Module) or not ubmoe_layers(model):
         raise ValueError(
@@ -72,8 +89,9 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     def __post_init__(self) -> None:
         if self.prompt in ("none", "None", ""):  # command-line spelling of "no prompt"
             self.prompt = None
-        if self.prompt is not None and self.prompt.count("{text}") > 1:
-            raise ValueError(f"prompt={self.prompt!r} has more than one '{{text}}' placeholder; use at most one.")
+        from .embedding import check_prompt
+
+        check_prompt(self.prompt)
         if self.max_length < 1 or self.scale <= 0:
             raise ValueError(
                 f"max_length={self.max_length} and scale={self.scale} must both be positive "
@@ -93,7 +111,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
     def __init__(
         self,
         model: nn.Module,
-        tokenizer: Any,
+        tokenizer: Any = None,
         args: ContrastiveConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
@@ -103,6 +121,21 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         from .embedding import to_sentence_transformer
 
         _require_ubmoe(model, "ContrastiveTrainer")
+        processing_class = kwargs.pop("processing_class", None)  # the TRL / transformers Trainer spelling
+        if tokenizer is None:
+            tokenizer = processing_class
+        if tokenizer is None:
+            raise TypeError(
+                "ContrastiveTrainer needs the model's tokenizer: ContrastiveTrainer(model, tokenizer, ...)."
+            )
+        _check_dataset(train_dataset, "ContrastiveTrainer")
+        columns = getattr(train_dataset, "column_names", None)
+        if isinstance(columns, list) and len(columns) < 2 and loss is None:
+            raise ValueError(
+                f"ContrastiveTrainer's train_dataset has the one column {columns}; the contrastive loss needs text "
+                "pairs (anchor, positive[, negative]). For unsupervised SimCSE, pair each text with itself: "
+                "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column (LoRA expert with lora_dropout > 0)."
+            )
         args = args or ContrastiveConfig(output_dir="ubmoe-contrastive")
         if not isinstance(args, ContrastiveConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
@@ -165,6 +198,9 @@ class RouterTrainer(SFTTrainer):
         args = args or RouterConfig(output_dir="ubmoe-router")
         if not isinstance(args, RouterConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.RouterConfig.")
+        if args.dataset_text_field == "text":  # TRL reads these dataset formats (a custom text field: theirs to check)
+            needs = [("messages",), ("prompt", "completion"), ("text",), ("input_ids",)]
+            _check_dataset(kwargs.get("train_dataset"), "RouterTrainer", needs)
         set_stage(model, "router")
         super().__init__(model=model, args=args, **kwargs)
         # On a quantized base TRL casts every trainable parameter to bf16 (its QLoRA recipe). The routers keep

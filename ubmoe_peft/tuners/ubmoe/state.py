@@ -33,12 +33,15 @@ class ModeState:
         self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
         self.routing_mask: torch.Tensor | None = None  # token_mask of that forward
         self.attention_hooked = False  # whether the layers' mode-bi attention adapters are hooked in (mode bi only)
+        self.tallies: list[RoutingTally] = []  # open `track_routing` blocks, each summing every mode-moe forward
+        self._tallied: dict | None = None  # the routing dict last added to them (each forward's is added once)
 
     @property
     def spec(self) -> ModeSpec:
         return MODES[self.mode]
 
     def begin_forward(self, attention_mask: torch.Tensor | None) -> None:
+        self.tally()  # the previous forward's routing, before it is replaced
         self.token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
@@ -56,6 +59,20 @@ class ModeState:
 
     def shares(self) -> dict[int, float] | None:
         """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
+        sums = self._sums()
+        return None if sums is None else {layer: routed / max(real, 1.0) for layer, (routed, real) in sums.items()}
+
+    def tally(self) -> None:
+        """Add the last mode-moe forward's routing to every open `track_routing` block, once."""
+        if not self.tallies or not self.routing or self.routing is self._tallied:
+            return
+        self._tallied = self.routing
+        for layer, (routed, real) in self._sums().items():
+            for tally in self.tallies:
+                tally.add(layer, routed, real)
+
+    def _sums(self) -> dict[int, tuple[float, float]] | None:
+        """{layer index: (tokens sent to bi (top_k=2: summed bi weight), real tokens)} for the last mode-moe forward."""
         if not self.routing:
             return None
         result = {}
@@ -64,8 +81,30 @@ class ModeState:
             mask = self.routing_mask
             if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
                 real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
-                share = (weight * real).sum() / real.sum().clamp_min(1.0)
+                result[layer_idx] = (float((weight * real).sum()), float(real.sum()))
             else:
-                share = weight.mean()
-            result[layer_idx] = float(share)
+                result[layer_idx] = (float(weight.sum()), float(weight.numel()))
         return result
+
+
+class RoutingTally:
+    """Routing summed over many mode-moe forwards (`ubmoe_peft.track_routing`): a whole evaluation or generation."""
+
+    def __init__(self) -> None:
+        self.routed: dict[int, float] = {}  # layer index -> tokens sent to bi (top_k=2: summed bi weight)
+        self.tokens: dict[int, float] = {}  # layer index -> real tokens routed
+
+    def add(self, layer_idx: int, routed: float, real: float) -> None:
+        self.routed[layer_idx] = self.routed.get(layer_idx, 0.0) + routed
+        self.tokens[layer_idx] = self.tokens.get(layer_idx, 0.0) + real
+
+    def shares(self) -> dict[int, float] | None:
+        """{layer index: share of all real tokens sent to the bi expert}; None when no mode-moe forward ran."""
+        if not self.tokens:
+            return None
+        return {layer: self.routed[layer] / max(self.tokens[layer], 1.0) for layer in sorted(self.tokens)}
+
+    def mean(self) -> float | None:
+        """The share averaged over layers (as `RouterTrainer`'s ``bi_share``); None when no mode-moe forward ran."""
+        shares = self.shares()
+        return None if shares is None else sum(shares.values()) / len(shares)
