@@ -454,6 +454,56 @@ def test_top1_gate_is_exactly_one_and_ties_go_to_uni():
     assert torch.equal(out.detach(), layer.base_layer(x).detach())
 
 
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_compare_router_gradient_is_the_two_experts_difference(expert):
+    """router_gradient="compare" (default): the chosen expert's output, and d loss / d logit_bi =
+    p_bi p_uni <d loss / d y, E_bi(x) - E_uni(x)> per token; "scale" gets the selected expert's p / sg(p) gate."""
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model, std=0.1)
+    ubmoe_peft.set_stage(model, "router")
+    layer = layers(model)[0].eval()
+    x = torch.randn(2, 5, 32)  # (B, T, C)
+    g = torch.randn(2, 5, 32)  # d loss / d y
+    with torch.no_grad():
+        uni, bi = layer._uni_expert(x), layer._bi_expert("default", x)  # (B, T, C) each
+        expected_out = layer(x)  # inference: top-1, only the chosen expert
+    router = layer.ubmoe_router["default"].weight
+    logits = (x @ router.detach().T).detach()  # (B, T, 2)
+    assert bool((logits[..., 1] > logits[..., 0]).any()) and bool((logits[..., 1] < logits[..., 0]).any())
+    out = layer(x)
+    torch.testing.assert_close(out.detach(), expected_out, rtol=1e-6, atol=1e-6)  # the value is top-1's
+    (out * g).sum().backward()
+    p = logits.softmax(-1)  # (B, T, 2)
+    d_bi = p[..., 0] * p[..., 1] * (g * (bi - uni)).sum(-1)  # (B, T)
+    d_logits = torch.stack([-d_bi, d_bi], dim=-1)  # (B, T, 2)
+    expected = torch.einsum("btk,btc->kc", d_logits, x)  # (2, C)
+    torch.testing.assert_close(router.grad, expected, rtol=1e-4, atol=1e-6)
+
+    scaled, _ = wrap("llama", expert, router_gradient="scale")
+    perturb_adapters(scaled, std=0.1)
+    ubmoe_peft.set_stage(scaled, "router")
+    layer = layers(scaled)[0].eval()
+    out = layer(x)
+    (out * g).sum().backward()
+    router = layer.ubmoe_router["default"].weight
+    p = (x @ router.detach().T).softmax(-1)  # (B, T, 2)
+    to_bi = p[..., 1] > p[..., 0]  # (B, T)
+    p_sel = torch.where(to_bi, p[..., 1], p[..., 0])  # (B, T)
+    d_sel = (g * out.detach()).sum(-1) / p_sel  # (B, T): d loss / d p_sel through the gate p_sel / sg(p_sel)
+    d_bi = torch.where(to_bi, d_sel * p[..., 1] * p[..., 0], -d_sel * p[..., 0] * p[..., 1])  # (B, T)
+    expected = torch.einsum("btk,btc->kc", torch.stack([-d_bi, d_bi], dim=-1), x)  # (2, C)
+    torch.testing.assert_close(router.grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_compare_router_gradient_is_zero_while_the_experts_are_equal():
+    """A fresh bi expert equals the base FFN: there is nothing to compare, and the router stays at zero."""
+    model, _ = wrap("llama", "lora")
+    ubmoe_peft.set_stage(model, "router")
+    ids, mask = batch()
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert all(float(layer.ubmoe_router["default"].weight.grad.abs().sum()) == 0 for layer in layers(model))
+
+
 # ---- stages and training ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expert", EXPERTS)
 @pytest.mark.parametrize("stage", ["contrastive", "router"])

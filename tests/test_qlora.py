@@ -341,6 +341,10 @@ def test_router_trainer_on_a_4bit_base_keeps_the_router_dtype(saved_dirs, tmp_pa
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="w0", eos_token="w2", unk_token="w3")
     texts = Dataset.from_dict({"text": [" ".join(f"w{j}" for j in range(i, i + 12)) for i in range(3, 40)]})
     model = get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig())
+    with torch.no_grad():  # a bi expert that differs from the base FFN, as after stage 1: the routers get a gradient
+        for name, param in model.named_parameters():
+            if ".ubmoe_lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if ".ubmoe_router." in n}
     args = RouterConfig(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, max_length=32, report_to="none"

@@ -143,6 +143,8 @@ BAD_FIELDS = {
     "r": (0, ["r=0", "positive"]),
     "lora_dropout": (1.5, ["1.5", "[0, 1)"]),
     "router_dtype": ("int8", ["'int8'", "float32"]),
+    "router_gradient": ("straight", ["'straight'", "'compare'", "'scale'"]),
+    "router_gradient:list": (["compare"], ["['compare']", "'compare'"]),
     "layers_to_transform": (-1, ["-1", "non-negative"]),
     "lora_alpha": ("big", ["'big'", "number"]),
     "use_rslora": ("yes", ["'yes'", "True or False"]),

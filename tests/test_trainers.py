@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, tiny_model, w
+from conftest import batch, perturb_adapters, tiny_model, w
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
 
@@ -26,6 +26,16 @@ def _pairs(n: int = 40) -> Dataset:
 
 def _texts(n: int = 40) -> Dataset:
     return Dataset.from_dict({"text": [w(*range(i, i + 12)) for i in range(3, 3 + n)]})
+
+
+def _trained_experts(model: torch.nn.Module) -> None:
+    """Experts that differ from the base FFN, as after stage 1, and routers at their zero start (with equal experts
+    the default router gradient, the two experts' difference, is zero)."""
+    perturb_adapters(model, std=0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".ubmoe_router." in name:
+                param.zero_()
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -57,6 +67,7 @@ def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, exp
 @pytest.mark.parametrize("expert", ["lora", "copy"])
 def test_router_trainer_trains_only_the_routers_and_logs_bi_share(tokenizer, tmp_path, expert):
     model = get_peft_model(tiny_model(), UBMoEConfig(expert_type=expert))
+    _trained_experts(model)
     before = _snapshot(model)
     args = RouterConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, max_length=32, **QUIET)
     trainer = RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)

@@ -108,7 +108,8 @@ class ExportArgs:
 
 def _adapter_args() -> type:
     """UBMoEConfig's own fields as command-line options (its help texts, one source of truth)."""
-    names = ["expert_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "top_k", "router_dtype", "attention_r"]
+    names = ["expert_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "top_k", "router_gradient", "router_dtype"]
+    names.append("attention_r")
     fields, types = UBMoEConfig.__dataclass_fields__, typing.get_type_hints(UBMoEConfig)
     spec = [(n, types[n], field(default=fields[n].default, metadata=fields[n].metadata)) for n in names]
     layers_help = fields["layers_to_transform"].metadata

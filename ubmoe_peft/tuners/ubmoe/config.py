@@ -14,6 +14,7 @@ from ..._peft_type import UBMOE_PEFT_TYPE
 from ...io import CONFIG_NAME, AdapterFileError, atomic_write_text
 
 EXPERT_TYPES = ("lora", "copy")
+ROUTER_GRADIENTS = ("compare", "scale")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -65,6 +66,16 @@ class UBMoEConfig(PeftConfig):
             "cost); 2 is a soft mixture of both experts (about twice the FFN cost)."
         },
     )
+    router_gradient: Literal["compare", "scale"] = field(
+        default="compare",
+        metadata={
+            "help": "How a top-1 router learns in stage router. 'compare' (default): both experts run on every token "
+            "while the routers train; the output is still the chosen expert's, and each router gets the gradient of "
+            "p_bi times the two experts' difference (a straight-through estimator): it learns which expert is better "
+            "for a token. 'scale': only the chosen expert runs (base-model cost) and the router learns only whether "
+            "to scale that expert's output up or down (the Switch / Mixtral-style signal). Inference is the same."
+        },
+    )
     router_dtype: str = field(
         default="float32",
         metadata={"help": f"dtype of the router weights and logits, one of {ROUTER_DTYPES}; float32 is safest."},
@@ -105,6 +116,11 @@ class UBMoEConfig(PeftConfig):
             )
         if not 0.0 <= float(self.lora_dropout) < 1.0:
             raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be in [0, 1).")
+        if not isinstance(self.router_gradient, str) or self.router_gradient not in ROUTER_GRADIENTS:
+            raise ValueError(
+                f"UBMoEConfig(router_gradient={self.router_gradient!r}) is not supported: use one of "
+                f"{list(ROUTER_GRADIENTS)}."
+            )
         if self.router_dtype not in ROUTER_DTYPES:
             raise ValueError(
                 f"UBMoEConfig(router_dtype={self.router_dtype!r}) is not supported: use one of {list(ROUTER_DTYPES)}."

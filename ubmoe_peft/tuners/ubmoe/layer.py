@@ -10,7 +10,9 @@ Routing (Mixtral / Qwen3-MoE form, experts ordered [uni, bi])::
 
 ``p_e / sg(p_e)`` is Mixtral's top-k renormalisation ``p_e / sum(top-k p)`` with the denominator detached: the value
 is exactly 1, as in an exported Mixtral-style model, but the router still receives d loss / d p_e (with a plain
-renormalisation the top-1 weight is the constant 1 and the router would get no gradient at all).
+renormalisation the top-1 weight is the constant 1 and the router would get no gradient at all). That gradient only
+says whether to scale the chosen expert up or down (``router_gradient="scale"``); by default a training router sees
+both experts instead (``"compare"``, `UBMoELayer._compare`): same value, gradient from their difference.
 
 Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections, so the FFN runs once and each
 projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection, which
@@ -191,7 +193,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     """A UBMoE-wrapped FFN. Adapters live in ModuleDicts keyed by adapter name, next to the untouched ``base_layer``."""
 
     adapter_layer_names = ("ubmoe_lora_A", "ubmoe_lora_B", "ubmoe_copy", "ubmoe_router", "ubmoe_attn_A", "ubmoe_attn_B")
-    other_param_names = ("ubmoe_dropout", "scaling", "top_k", "expert_type", "attention_scaling")
+    other_param_names = ("ubmoe_dropout", "scaling", "top_k", "expert_type", "attention_scaling", "router_gradient")
 
     def __init__(
         self,
@@ -219,6 +221,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.scaling: dict[str, float] = {}
         self.top_k: dict[str, int] = {}
         self.expert_type: dict[str, str] = {}
+        self.router_gradient: dict[str, str] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self._active_adapter = adapter_name
@@ -252,6 +255,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.ubmoe_router[adapter_name] = router
         self.top_k[adapter_name] = config.top_k
         self.expert_type[adapter_name] = config.expert_type
+        self.router_gradient[adapter_name] = config.router_gradient
         self.set_adapter(self.active_adapters)
 
     def _add_attention_adapter(self, adapter_name: str, config: UBMoEConfig, device: torch.device) -> None:
@@ -413,6 +417,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             return (probs[..., :1] * uni + probs[..., 1:] * bi).to(x.dtype)  # (B, T, C)
 
         self._state.record(self.layer_idx, logits if not logits.requires_grad else logits.detach())
+        router_trains = torch.is_grad_enabled() and self.ubmoe_router[adapter].weight.requires_grad
+        if router_trains and self.router_gradient[adapter] == "compare":
+            return self._compare(adapter, x, logits)
         picks: list[bool] | None = None
         if logits.shape[:-1].numel() <= HOST_ROUTING_TOKENS:
             # Decode sizes: one copy of the 2N logits to the host and a comparison in Python replace the compare, sum
@@ -444,12 +451,31 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             out = self._split_copy(adapter, x, to_bi)  # (B, T, C)
 
         # Top-1 needs p only for the router's gradient.
-        if torch.is_grad_enabled() and self.ubmoe_router[adapter].weight.requires_grad:
+        if router_trains:
             probs = logits.softmax(dim=-1)  # (B, T, 2)
             p_sel = torch.where(to_bi, probs[..., 1], probs[..., 0])  # (B, T)
             gate = p_sel / p_sel.detach()  # (B, T), exactly 1, gradient 1/p
             out = out * gate.unsqueeze(-1).to(out.dtype)  # (B, T, C)
         return out
+
+    def _compare(self, adapter: str, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Top-1 while the router trains, with ``router_gradient="compare"``: the chosen expert's output, plus
+        ``(p_bi - sg(p_bi)) * (E_bi(x) - E_uni(x))``, which is exactly 0 but gives the router
+        ``d loss / d p_bi = <d loss / d y, E_bi(x) - E_uni(x)>``: how much better the bi expert's output would be for
+        the token than the uni expert's (a straight-through estimator).
+
+        Why not the top-1 path below: there only the chosen expert runs, and its ``p / sg(p)`` gate tells the router
+        only whether to scale that expert's output up or down. From a zero router every token whose gradient says
+        "scale the base FFN down" flips to the bi expert whether or not that expert is better, and on SmolLM2 the
+        demo's router stage then made held-out chats worse than the base model (docs/usage.md). Both experts run on
+        every token here, so a router step costs about one more FFN pass (docs/performance.md).
+        """
+        to_bi = (logits[..., 1] > logits[..., 0]).unsqueeze(-1)  # (B, T, 1), strict: ties go to uni
+        p_bi = logits.softmax(dim=-1)[..., 1:]  # (B, T, 1)
+        uni = self._uni_expert(x)  # (B, T, C)
+        bi = self._bi_expert(adapter, x).to(uni.dtype)  # (B, T, C)
+        chosen = torch.where(to_bi, bi, uni)  # (B, T, C)
+        return chosen + ((p_bi - p_bi.detach()) * (bi - uni)).to(chosen.dtype)  # (B, T, C), value: chosen
 
     def _split_copy(self, adapter: str, x: torch.Tensor, to_bi: torch.Tensor) -> torch.Tensor:
         """Copy expert top-1: each expert runs only on its own tokens."""
