@@ -59,8 +59,10 @@ class ModeState:
 
     def shares(self) -> dict[int, float] | None:
         """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
-        sums = self._sums()
-        return None if sums is None else {layer: routed / max(real, 1.0) for layer, (routed, real) in sums.items()}
+        last = RoutingTally()  # one forward's tally: the share is computed in one place
+        for layer, (routed, real) in (self._sums() or {}).items():
+            last.add(layer, routed, real)
+        return last.shares()
 
     def tally(self) -> None:
         """Add the last mode-moe forward's routing to every open `track_routing` block, once."""
