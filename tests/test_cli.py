@@ -103,6 +103,32 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     torch.testing.assert_close(mixtral(input_ids=ids, attention_mask=mask).logits, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_training_with_the_same_seed_or_resumed_gives_the_same_adapter(files, tmp_path):
+    """--seed covers the new adapter's random LoRA A too, not only the trainer's data order and dropout: the adapter
+    is created before the trainer seeds, so without seeding first every run started from other experts."""
+    from safetensors.torch import load_file
+
+    saved = []
+    for run_dir, seed in (("a", "3"), ("b", "3"), ("c", "4")):
+        out = str(tmp_path / run_dir)
+        data = ["--data", files["triplets"], "--seed", seed, "--max_steps", "2", "--per_device_train_batch_size", "8"]
+        run(["train-contrastive", "--model", files["model"], "--device", "cpu", "--output_dir", out, *data, *FAST])
+        saved.append(load_file(Path(out) / "adapter_model.safetensors"))
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+    assert any(not torch.equal(saved[0][k], saved[2][k]) for k in saved[0] if ".ubmoe_lora_A." in k)
+
+    # --resume_from_checkpoint continues a run (transformers' arguments only store it): the same adapter again
+    data = ["--data", files["triplets"], "--seed", "3", "--max_steps", "2", "--per_device_train_batch_size", "8"]
+    steps = [*FAST, "--save_strategy", "steps", "--save_steps", "1"]
+    model = ["train-contrastive", "--model", files["model"], "--device", "cpu", *data, *steps]
+    run([*model, "--output_dir", str(tmp_path / "d")])
+    run([*model, "--output_dir", str(tmp_path / "e"), "--resume_from_checkpoint", str(tmp_path / "d" / "checkpoint-1")])
+    resumed = load_file(tmp_path / "e" / "adapter_model.safetensors")
+    assert all(torch.equal(saved[0][k], resumed[k]) for k in saved[0])
+    with pytest.raises(ValueError, match="--resume_from_checkpoint 'nowhere' is not a folder"):
+        run([*model, "--output_dir", str(tmp_path / "f"), "--resume_from_checkpoint", "nowhere"])
+
+
 def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer):
     adapter = str(tmp_path / "adapter")
     wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig())

@@ -10,6 +10,7 @@ from peft import PeftModel, get_peft_model
 
 import ubmoe_peft
 from ubmoe_peft import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer, UBMoEConfig
+from ubmoe_peft.io import AdapterMismatchError
 
 QUIET = dict(report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 
@@ -114,6 +115,69 @@ def test_contrastive_trainer_saves_the_adapter(tokenizer, tmp_path):
     with torch.no_grad(), ubmoe_peft.use_mode(model, "bi"), ubmoe_peft.use_mode(loaded, "bi"):
         expected = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits, expected)
+
+
+def _stage_run(stage: str, tokenizer, out, adapter: str = "default", r: int = 8):
+    """A fresh model (same seed: same experts) and a 4-step trainer of ``stage`` that saves every 2 steps."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model(), UBMoEConfig(r=r), adapter_name=adapter)
+    keep = dict(output_dir=str(out), max_steps=4, save_strategy="steps", save_steps=2, seed=0)
+    quiet = {**QUIET, **keep}
+    if stage == "contrastive":
+        args = ContrastiveConfig(per_device_train_batch_size=8, **quiet)
+        return model, ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs())
+    _trained_experts(model)
+    args = RouterConfig(per_device_train_batch_size=4, max_length=32, **quiet)
+    return model, RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)
+
+
+@pytest.mark.parametrize(("stage", "adapter"), [("contrastive", "default"), ("contrastive", "emb"), ("router", "emb")])
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tokenizer, tmp_path, stage, adapter):
+    model, trainer = _stage_run(stage, tokenizer, tmp_path / "full", adapter)
+    trainer.train()
+    resumed, trainer = _stage_run(stage, tokenizer, tmp_path / "resumed", adapter)
+    start = _snapshot(resumed)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+
+    assert trainer.state.global_step == 4
+    trained = {n for n in _changed(model, start)}
+    assert trained and trained == _changed(resumed, start)  # the same parameters trained, and only those
+    for name, param in resumed.named_parameters():
+        assert torch.equal(param, dict(model.named_parameters())[name]), name
+
+
+def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp_path):
+    from peft.utils import load_peft_weights
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    # greater_is_better on the loss picks the worse checkpoint: the earlier one, not the model as training left it
+    best = dict(load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    steps = {**QUIET, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2}
+    args = ContrastiveConfig(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=8, learning_rate=3e-3, **steps, **best
+    )
+    trainer = ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs(), eval_dataset=_pairs(16))
+    trainer.train()
+
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    saved = load_peft_weights(str(tmp_path / "checkpoint-2" / "ubmoe_adapter"))
+    own = {k.replace(".default.", "."): p for k, p in model.state_dict().items() if ".ubmoe_" in k}
+    assert saved.keys() == own.keys()
+    assert all(torch.equal(own[k], saved[k]) for k in saved)
+
+
+def test_resuming_from_a_checkpoint_of_another_adapter_shape_is_refused(tokenizer, tmp_path):
+    _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "r8")
+    trainer.train()
+    _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "r4", r=4)
+    shape = (
+        r"do not fit adapter 'default' \(expert_type='lora', r=4, .*12 tensors differ in shape .*\(8, 64\) in the file"
+    )
+    with pytest.raises(AdapterMismatchError, match=shape):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-2"))
+    with pytest.raises(FileNotFoundError, match="no modules.json, so it is not a checkpoint of a ContrastiveTrainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "r4"))
 
 
 def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):

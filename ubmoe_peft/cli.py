@@ -125,6 +125,18 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def seed_everything(config: Any) -> None:
+    """Seed as a `transformers.Trainer` built from ``config`` (TrainingArguments) will, but before the model exists:
+    the trainer seeds when it is created, after a new adapter drew its random LoRA A weights, so ``--seed`` alone
+    would not repeat a run (as transformers' example scripts, seed first)."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
+    if config.full_determinism:
+        enable_full_determinism(config.seed)
+    else:
+        set_seed(config.seed)
+
+
 def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | None = None) -> tuple[Any, Any]:
     """(UBMoE PeftModel, tokenizer): ``args.adapter`` loaded, else a new adapter from ``new_adapter`` settings."""
     from peft import PeftModel, get_peft_model
@@ -198,6 +210,17 @@ def _check_adapter_output(output_dir: str) -> None:
             f"--output_dir {output_dir!r} holds a model (config.json); saving the adapter there would make "
             "transformers load it into that model on every later load. Choose a new folder for the adapter."
         )
+
+
+def _resume(config: Any) -> str | None:
+    """--resume_from_checkpoint, which transformers' TrainingArguments only stores (the script passes it to train)."""
+    folder = config.resume_from_checkpoint
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(
+            f"--resume_from_checkpoint {folder!r} is not a folder. Pass a checkpoint-<step> folder that training "
+            f"saved (with --save_strategy steps) in its --output_dir."
+        )
+    return folder
 
 
 def _modes(args: EvalArgs, default: list[str]) -> list[str]:
@@ -297,6 +320,7 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
         )
     _check_adapter_output(config.output_dir)
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows)
+    seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     adapter_config = model.peft_config[model.active_adapter]
     if rows.column_names == ["text"] and (adapter_config.expert_type == "copy" or not adapter_config.lora_dropout):
@@ -307,7 +331,7 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
             "Use the LoRA expert with --lora_dropout 0.05 or more, or pairs of texts (anchor, positive[, negative])."
         )
     rows = contrastive_pairs(rows)
-    ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train()
+    ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=_resume(config))
     model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe train-router --adapter {config.output_dir}")
     return config.output_dir
@@ -323,7 +347,8 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
     _check_adapter_output(config.output_dir)
     rows = load_rows(data.data, "sft", data.split, data.max_rows)
     model, tokenizer = load_model(model_args, trainable=True)
-    RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer).train()
+    trainer = RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=_resume(config))
     model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe export --adapter {config.output_dir}")
     return config.output_dir

@@ -46,7 +46,9 @@ class DemoArgs:
     held_out_chats: int = field(default=32, metadata={"help": "Chats kept out of stage 2 to measure the LM loss."})
     dependence_texts: int = field(default=32, metadata={"help": "Texts the attention dependence is averaged over."})
     device: str | None = field(default=None, metadata={"help": "'cpu' or 'cuda'; default: cuda when available."})
-    seed: int = field(default=0, metadata={"help": "Seed of training (data order, dropout)."})
+    seed: int = field(
+        default=0, metadata={"help": "Seed of the new adapter's initialization and of training (data order, dropout)."}
+    )
 
 
 def _measure(model: Any, tokenizer: Any, data: dict[str, Any], modes: dict[str, list[str]]) -> dict[str, Any]:
@@ -88,6 +90,7 @@ def _losses(trainer: Any) -> list[float]:
 
 def run_demo(args: DemoArgs) -> str:
     from peft import get_peft_model
+    from transformers import set_seed
 
     from .cli import default_device
     from .smollm2 import load_smollm2
@@ -112,6 +115,7 @@ def run_demo(args: DemoArgs) -> str:
         "held_out": list(chats.select(range(held))),
         "texts": texts_of(load_rows(str(DEMO_DATA / "triplets.jsonl"), "texts"))[: args.dependence_texts],
     }
+    set_seed(args.seed)  # the new adapter's LoRA A init, before the trainers seed themselves (cli.seed_everything)
     base, tokenizer = load_smollm2()
     base.to(args.device or default_device())
     model = get_peft_model(base, UBMoEConfig(expert_type=args.expert_type, attention_r=args.attention_r))

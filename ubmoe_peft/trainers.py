@@ -12,7 +12,9 @@ Nothing here is a training loop of our own: the trainers only put the model in i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,6 +156,38 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             **kwargs,
         )
 
+    def _load_from_checkpoint(self, checkpoint_path: str) -> None:
+        """Load a checkpoint of this run (``train(resume_from_checkpoint=...)``, ``load_best_model_at_end``) into the
+        model being trained.
+
+        Why not sentence-transformers' own: it rebuilds a whole SentenceTransformer from the folder, and a UBMoE
+        encoder saves only its adapter (`UBMoEEncoder.save`), so resuming stopped with an error. The checkpoint's
+        adapter weights are loaded through PEFT, which checks that they fill this adapter exactly.
+        """
+        from peft import set_peft_model_state_dict
+        from peft.utils import load_peft_weights
+
+        adapter = self.peft_model.active_adapter
+        folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
+        if adapter != "default":  # PEFT saves other adapters in a subfolder of their name
+            folder = folder / adapter
+        set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
+
+
+def _encoder_path(checkpoint: str) -> str:
+    """The UBMoE encoder's folder inside a saved SentenceTransformer (its entry in modules.json; "" at the top)."""
+    modules_file = Path(checkpoint) / "modules.json"
+    if not modules_file.is_file():
+        raise FileNotFoundError(
+            f"{checkpoint!r} has no modules.json, so it is not a checkpoint of a ContrastiveTrainer run. Pass the "
+            "checkpoint-<step> folder the trainer saved in its output_dir."
+        )
+    entries = json.loads(modules_file.read_text())
+    paths = [e.get("path", "") for e in entries if str(e.get("type", "")).endswith(".UBMoEEncoder")]
+    if not paths:
+        raise ValueError(f"{checkpoint!r} holds a SentenceTransformer without a UBMoE encoder ({modules_file}).")
+    return paths[0]
+
 
 @dataclass
 class RouterConfig(SFTConfig):
@@ -210,6 +244,13 @@ class RouterTrainer(SFTTrainer):
             for adapter, router in layer.ubmoe_router.items():
                 if adapter in configs:
                     router.weight.data = router.weight.data.to(getattr(torch, configs[adapter].router_dtype))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # transformers reloads a checkpoint of a named (not "default") adapter with PEFT's set_adapter, which makes
+        # every weight of the adapter trainable: the experts would join the routers, and resuming failed on the saved
+        # optimizer state. Stage 2 trains the routers only.
+        set_stage(self.model, "router")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -322,8 +322,16 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
         problems.append(f"{len(unexpected)} tensors have no place in the model (e.g. {unexpected[0]}).")
     if missing:
         problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
-    if problems:
+    if problems and config.base_model_signature not in (None, base_signature(model)):
         raise _mismatch(config, model, " ".join(problems))
+    if problems:  # the right base: the weights were saved by an adapter of other settings (or the file was edited)
+        settings = ", ".join(
+            f"{k}={getattr(config, k)!r}" for k in ("expert_type", "r", "attention_r", "target_modules")
+        )
+        raise AdapterMismatchError(
+            f"The adapter weights do not fit adapter {adapter_name!r} ({settings}): {' '.join(problems)} They were "
+            "saved by an adapter with other settings; load them with the adapter_config.json saved beside them."
+        )
     bad = [k for k, v in given.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if bad:
         raise AdapterMismatchError(
