@@ -14,7 +14,8 @@ from ubmoe_peft import UBMoEConfig, UBMoELayer
 
 def wrapped(arch: str = "llama", **kwargs) -> PeftModel:
     kwargs.setdefault("attention_r", 4)
-    model = get_peft_model(tiny_model(arch), UBMoEConfig(lora_dropout=0.0, **kwargs)).eval()
+    kwargs.setdefault("lora_dropout", 0.0)
+    model = get_peft_model(tiny_model(arch), UBMoEConfig(**kwargs)).eval()
     perturb_adapters(model, std=0.3)
     return model
 
@@ -121,6 +122,18 @@ def test_contrastive_stage_trains_it_router_stage_does_not_and_checkpointing_agr
     assert all(grad.abs().sum() > 0 for grad in grads[0].values())
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_frozen_attention_adapter_runs_without_dropout_as_the_ffn_expert_does():
+    model = wrapped(lora_dropout=0.5)
+    ids, mask = batch()
+    expected = outputs(model.eval(), "bi", ids, mask)
+    ubmoe_peft.set_stage(model, "router")  # experts and attention adapter frozen
+    model.train()
+    torch.testing.assert_close(outputs(model, "bi", ids, mask), expected, rtol=0, atol=0)
+    ubmoe_peft.set_stage(model, "contrastive")  # trained: its dropout is on
+    model.train()
+    assert not torch.allclose(outputs(model, "bi", ids, mask), expected, atol=1e-3)
 
 
 def test_every_attention_projection_gets_a_delta():

@@ -12,6 +12,7 @@ import torch
 from conftest import ARCH_ATTNS, ARCHS, ATTNS, EXPERTS, batch, perturb_adapters, tiny_model
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
+from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, UBMoELayer
@@ -127,6 +128,28 @@ def test_disable_adapter_is_the_base_model_even_in_mode_bi():
     with model.disable_adapter():
         assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
     assert not torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+
+
+@pytest.mark.parametrize("stage", ["router", "contrastive", None])
+def test_disable_adapter_leaves_the_stage_and_frozen_adapters_as_they_were(tmp_path, stage):
+    """PEFT unfreezes the active adapter when it enables adapters again: a reference forward under
+    `disable_adapter()` (as DPO-style training does) must not make a stage's frozen experts or routers trainable."""
+    model, _ = wrap("llama", "lora")
+    perturb_adapters(model)
+    if stage is None:  # an adapter loaded for inference: nothing trainable
+        model.save_pretrained(tmp_path)
+        model = PeftModel.from_pretrained(tiny_model(), tmp_path, is_trainable=False)
+    else:
+        ubmoe_peft.set_stage(model, stage)
+    model.train()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    torch.manual_seed(0)
+    before = model(*batch()).logits
+    with model.disable_adapter():
+        model(*batch())
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+    torch.manual_seed(0)
+    assert torch.equal(model(*batch()).logits, before)  # same dropout (none on a frozen LoRA expert)
 
 
 # ---- routing ------------------------------------------------------------------------------------------------------
@@ -677,6 +700,89 @@ def test_a_transformers_release_that_ignores_is_causal_is_caught(attn):
         logits(model, ids, mask)
     handle.remove()
     logits(model, ids, mask)
+
+
+def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
+    """A tiny decoder of an architecture outside the tested set (vocabulary of the shared tokenizer)."""
+    import transformers as tf
+
+    small = dict(vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    configs = {
+        "falcon": lambda: tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **small),
+        "gpt_neo": lambda: tf.GPTNeoConfig(
+            hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global"], 2]], **small
+        ),
+        "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **small),
+        "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, **small),
+        "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, **small),
+    }
+    torch.manual_seed(0)
+    config = configs[model_type]()
+    config._attn_implementation = attn
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(("model_type", "attn"), [("falcon", "sdpa"), ("falcon", "eager"), ("gpt_neo", "eager")])
+def test_an_architecture_that_ignores_is_causal_fails_in_mode_bi_not_silently(model_type, attn):
+    """Falcon and GPT-Neo drop the `is_causal=False` forward argument; their attention is not named `self_attn`."""
+    model = get_peft_model(_foreign(model_type, attn), UBMoEConfig())
+    perturb_adapters(model)
+    ids, mask = batch(padding=None)
+    ubmoe_peft.set_mode(model, "bi")
+    with pytest.raises(RuntimeError, match=f"first layer of this '{model_type}' model a causal mask"):
+        logits(model, ids, mask)
+    for mode in ("uni", "moe"):
+        ubmoe_peft.set_mode(model, mode)
+        assert torch.isfinite(logits(model, ids, mask)).all()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "message"),
+    [
+        ("bloom", r"'transformer.h.0.mlp' \(BloomMLP\) needs \['residual'\] besides the hidden states"),
+        ("mpt", r"'transformer.blocks.0.ffn' \(MptMLP\) needs \['residual'\]"),
+        ("gpt2", r"\(GPT2MLP\) has no nn.Linear inside \(it holds \['Conv1D', .*Conv1D and fused MoE experts"),
+    ],
+)
+def test_ffns_that_cannot_be_experts_are_refused_when_wrapping(model_type, message):
+    base = _foreign(model_type)
+    with pytest.raises(ValueError, match=message):
+        get_peft_model(base, UBMoEConfig())
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+
+
+def test_a_multimodal_model_wraps_its_language_model_only():
+    """A vision tower deeper than the text model, with another hidden size: its FFNs are not decoder FFNs."""
+    import transformers as tf
+    from conftest import CONFIGS
+
+    torch.manual_seed(0)
+    vision = tf.CLIPVisionConfig(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, image_size=16, patch_size=8
+    )
+    config = tf.LlavaConfig(
+        vision_config=vision, text_config=CONFIGS["llama"](), image_token_index=5, vision_feature_select_strategy="full"
+    )
+    config._attn_implementation = "sdpa"
+    base = tf.LlavaForConditionalGeneration(config).eval()
+    reference = copy.deepcopy(base)
+    model = get_peft_model(base, UBMoEConfig()).eval()
+    perturb_adapters(model)
+
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, UBMoELayer)]
+    assert wrapped == [f"base_model.model.model.language_model.layers.{i}.mlp" for i in (0, 1)]
+    assert model.peft_config["default"].base_model_signature["num_layers"] == 2
+    ids = torch.tensor([[5, 5, 5, 5, 5, 10, 11, 12]])  # five image tokens (CLS and four 8x8 patches), then text
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.randn(1, 3, 16, 16))
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+        outputs = {}
+        for mode in ("uni", "moe", "bi"):
+            with ubmoe_peft.use_mode(model, mode):
+                outputs[mode] = model(**inputs).logits
+    torch.testing.assert_close(outputs["uni"], expected, rtol=0, atol=0)
+    assert not torch.allclose(outputs["bi"], expected, atol=1e-3) and torch.isfinite(outputs["moe"]).all()
+    assert set(ubmoe_peft.routing_stats(model)) == {0, 1}
 
 
 def test_registration_survives_reimport():

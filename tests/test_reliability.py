@@ -303,6 +303,26 @@ def test_modules_to_save_round_trip(tmp_path):
     assert not torch.equal(expected, logits(wrap(tiny()).eval(), ids))
 
 
+def test_modules_to_save_train_in_both_stages_and_serve_every_mode():
+    """set_stage froze them (no stage trained what the config asked to train); they are used in every mode, mode uni
+    included, and disable_adapter() gives the base model."""
+    model = wrap(tiny(), modules_to_save=["lm_head"])
+    head = model.base_model.model.lm_head.modules_to_save["default"]
+    for stage, trains in (("contrastive", ".ubmoe_lora_"), ("router", ".ubmoe_router.")):
+        ubmoe_peft.set_stage(model, stage)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {n for n, _ in model.named_parameters() if trains in n or ".modules_to_save.default." in n}
+        assert all(p.requires_grad for p in head.parameters())
+    with torch.no_grad():
+        head.weight.mul_(1.5)
+    ids = torch.arange(6).view(1, 6)
+    base = logits(tiny().eval(), ids)
+    with ubmoe_peft.use_mode(model.eval(), "uni"):
+        assert not torch.equal(logits(model, ids), base)
+        with model.disable_adapter():
+            torch.testing.assert_close(logits(model, ids), base, rtol=0, atol=0)
+
+
 def test_pickle_is_never_loaded(saved, tmp_path, monkeypatch):
     folder, _ = saved
     pickled = tmp_path / "pickled"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
 from .tuners.ubmoe.layer import UBMoELayer
@@ -68,7 +69,9 @@ def _active_adapter(model: nn.Module) -> str:
 
 def set_stage(model: nn.Module, stage: str) -> None:
     """Prepare a training stage: ``"contrastive"`` (mode bi, only the bi experts train) or ``"router"`` (mode moe,
-    only the routers train). Every other parameter of the model is frozen."""
+    only the routers train). Every other parameter of the model is frozen, except the active adapter's
+    ``modules_to_save`` copies (PEFT's option: modules the user asked to train and save in full), which train in
+    both stages."""
     if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
     adapter = _active_adapter(model)
@@ -81,6 +84,9 @@ def set_stage(model: nn.Module, stage: str) -> None:
         params = layer.expert_parameters(adapter) if stage == "contrastive" else layer.router_parameters(adapter)
         for param in params:
             param.requires_grad_(True)
+    for module in model.modules():
+        if isinstance(module, ModulesToSaveWrapper) and adapter in module.modules_to_save:
+            module.modules_to_save[adapter].requires_grad_(True)
     set_mode(model, STAGES[stage])
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ...architectures import linear_projections
+from ...architectures import ATTENTION_NAMES, linear_projections
 from .bnb import is_quantized_linear, make_dense_copy
 from .config import UBMoEConfig
 from .state import ModeState
@@ -64,6 +64,14 @@ def column_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 _NO_DROPOUT = nn.Identity().eval()  # stands in for the dropout of a frozen LoRA expert (`UBMoELayer._lora_ffn`)
+
+
+def _dropout_while_trained(dropout: nn.Module, lora_a: torch.Tensor) -> nn.Module:
+    """The LoRA dropout while the LoRA weights train; none on frozen ones (stage router, or an adapter loaded for
+    inference in train mode), which then run as at inference, like a copy expert. Dropout regularizes training the
+    LoRA weights; on frozen ones it would only show the router a noisier expert than it will route to, and it cost
+    about 5% of a router step (docs/performance.md)."""
+    return dropout if dropout.training and lora_a.requires_grad else _NO_DROPOUT
 
 
 def _lora_pair(proj: nn.Module, r: int, device: torch.device, dtype: torch.dtype) -> tuple[nn.Linear, nn.Linear]:
@@ -263,8 +271,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         if self._attention is None:
             raise ValueError(
                 f"UBMoEConfig(attention_r={config.attention_r}) adds an attention adapter, but decoder layer "
-                f"{self.layer_idx} has no self-attention module UBMoE can find (named 'self_attn', 'attention' or "
-                "'attn'). Use attention_r=0."
+                f"{self.layer_idx} has no self-attention module UBMoE can find (named one of {list(ATTENTION_NAMES)}). "
+                "Use attention_r=0."
             )
         a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
         for name, proj in linear_projections(self._attention).items():
@@ -283,7 +291,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         adapter = self._current_adapter()
         if adapter is None or adapter not in self.ubmoe_attn_A:
             return
-        dropout, scale = self.ubmoe_dropout[adapter], self.attention_scaling[adapter]
+        a_weight = next(iter(self.ubmoe_attn_A[adapter].values())).weight
+        dropout = _dropout_while_trained(self.ubmoe_dropout[adapter], a_weight)
+        scale = self.attention_scaling[adapter]
         self._attention_deltas = [
             module.get_submodule(_module_name(key)).register_forward_hook(
                 functools.partial(_lora_delta, a, self.ubmoe_attn_B[adapter][key], dropout, scale)
@@ -354,12 +364,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         forward - whatever the architecture - runs untouched and once, and a call without a routed token (mode uni, a
         token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
-        dropout = self.ubmoe_dropout[adapter]
-        if dropout.training and not self._lora_a_weight(adapter).requires_grad:
-            # A frozen expert (stage router) runs as at inference, like a copy expert: dropout regularizes training the
-            # LoRA weights; on frozen ones it would only show the router a noisier bi expert than it will route to,
-            # and it cost about 5% of a router step (docs/performance.md).
-            dropout = _NO_DROPOUT
+        dropout = _dropout_while_trained(self.ubmoe_dropout[adapter], self._lora_a_weight(adapter))
         if not dropout.training:
             out = self._written_out(self.base_layer, x, (self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter], scale))
             if out is not None:

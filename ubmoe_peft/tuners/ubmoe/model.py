@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -34,7 +35,14 @@ _CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDi
 _LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
 
-def _matches(config: UBMoEConfig, key: str) -> bool:
+def _in_decoder(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of ``model``'s decoder layers: only FFNs under them are wrapped (not a vision tower's)."""
+    return tuple(f"{name}." for name, _ in decoder_layers(model))
+
+
+def _matches(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | None = None) -> bool:
+    if decoder is not None and not key.startswith(decoder):
+        return False
     targets = config.target_modules
     if isinstance(targets, str):
         hit = re.fullmatch(targets, key) is not None
@@ -56,6 +64,7 @@ class UBMoEModel(BaseTuner):
         # The layers created during super().__init__ share this object, so it must exist before injection.
         object.__setattr__(self, "_ubmoe_state", ModeState())
         object.__setattr__(self, "_ubmoe_hooks", [])
+        object.__setattr__(self, "_ubmoe_trainable", None)  # (parameter, requires_grad) while adapters are disabled
         super().__init__(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
         self._install_forward_hooks()
 
@@ -65,15 +74,16 @@ class UBMoEModel(BaseTuner):
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
         validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
+        self._ubmoe_decoder = _in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
 
-    @staticmethod
-    def _check_target_module_exists(peft_config: UBMoEConfig, key: str) -> bool:
-        return _matches(peft_config, key)
+    def _check_target_module_exists(self, peft_config: UBMoEConfig, key: str) -> bool:
+        decoder = getattr(self, "_ubmoe_decoder", None)
+        return _matches(peft_config, key, decoder if decoder is not None else _in_decoder(self.model))
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key, **_):
         if isinstance(target, UBMoELayer):
@@ -96,7 +106,16 @@ class UBMoEModel(BaseTuner):
         return None
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
+        # PEFT freezes every adapter weight when disabling and makes the active adapter's all trainable when
+        # enabling, so `with model.disable_adapter():` (a reference forward, as in DPO) left a stage-router model
+        # training its experts too, with LoRA dropout back on. Enabling restores what disabling found.
+        if not enabled and self._ubmoe_trainable is None:
+            self._ubmoe_trainable = [(p, p.requires_grad) for p in self.model.parameters()]
         super()._enable_adapter_layers(enabled)
+        if enabled and self._ubmoe_trainable is not None:
+            for param, trainable in self._ubmoe_trainable:
+                param.requires_grad_(trainable)
+            self._ubmoe_trainable = None
         self._ubmoe_state.adapters_enabled = enabled  # disabled adapters also mean causal attention
 
     # ---- save / load keys ---------------------------------------------------------------------------------------
@@ -123,7 +142,8 @@ class UBMoEModel(BaseTuner):
         backbone = getattr(self.model, "base_model", self.model)
         self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
         layers = decoder_layers(self.model)
-        attention = getattr(layers[0][1], "self_attn", None) if layers else None
+        # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
+        attention = attention_module(layers[0][1]) if layers else None
         if attention is not None:
             self._ubmoe_hooks.append(attention.register_forward_pre_hook(self._check_bidirectional, with_kwargs=True))
 
@@ -165,7 +185,7 @@ class UBMoEModel(BaseTuner):
         mask = kwargs.get("attention_mask")
         if mask is None:
             if kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False:
-                raise _causal_error(self._attn_implementation())
+                raise _causal_error(self.model, self._attn_implementation())
             return
         if mask.dim() != 4 or mask.shape[-2] < 2:
             return
@@ -181,7 +201,7 @@ class UBMoEModel(BaseTuner):
         rows = torch.arange(real.shape[0], device=real.device)  # (B,)
         sees = allowed[rows, 0, first, second]  # (B,)
         if bool((after_first.any(dim=1) & ~sees).any()):
-            raise _causal_error(self._attn_implementation())
+            raise _causal_error(self.model, self._attn_implementation())
 
     # ---- generation, unload -------------------------------------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
@@ -268,13 +288,17 @@ class UBMoEModel(BaseTuner):
         return self.model
 
 
-def _causal_error(implementation: str | None) -> RuntimeError:
+def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:
     import transformers
 
+    model_type = getattr(text_config(model), "model_type", None)
     return RuntimeError(
         f"Mode 'bi' asked for bidirectional attention, but transformers {transformers.__version__} with "
-        f"attn_implementation={implementation!r} gave the first layer a causal mask. This transformers release is "
-        "not supported by this ubmoe-peft version; install the transformers range that ubmoe-peft declares."
+        f"attn_implementation={implementation!r} gave the first layer of this {model_type!r} model a causal mask. "
+        "Mode bi passes is_causal=False to the decoder, which transformers' masking reads for Llama, Mistral, Qwen, "
+        "Gemma and most current decoders; this architecture (or this transformers release) ignores it. Use a "
+        "supported architecture (docs/usage.md) or the transformers range that ubmoe-peft declares; modes uni and moe "
+        "are not affected."
     )
 
 
@@ -329,14 +353,30 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
             f"{k}={getattr(config, k)!r}" for k in ("expert_type", "r", "attention_r", "target_modules")
         )
         raise AdapterMismatchError(
-            f"The adapter weights do not fit adapter {adapter_name!r} ({settings}): {' '.join(problems)} They were "
-            "saved by an adapter with other settings; load them with the adapter_config.json saved beside them."
+            f"The adapter weights being loaded (an adapter_model.safetensors, or a state dict) do not fit adapter "
+            f"{adapter_name!r} ({settings}): {' '.join(problems)} They were saved by an adapter with other settings "
+            "(or edited); load them with the adapter_config.json saved beside them."
         )
     bad = [k for k, v in given.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if bad:
         raise AdapterMismatchError(
             f"The adapter weights hold NaN or inf values (e.g. {bad[0]}), so the file is corrupted or was saved "
             "from a diverged run. Save a healthy checkpoint again with model.save_pretrained(folder)."
+        )
+
+
+def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
+    """The FFN takes the hidden states alone: the experts are run as ``ffn(x)`` on the tokens routed to them."""
+    extra = [
+        p.name
+        for p in list(inspect.signature(ffn.forward).parameters.values())[1:]
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if extra:
+        raise ValueError(
+            f"Target module {name!r} ({type(ffn).__name__}) needs {extra} besides the hidden states in its forward, "
+            "so UBMoE cannot run it as an expert on the tokens routed to it (Bloom and MPT fold the residual into "
+            "their FFN). This architecture is not supported: use one whose FFN takes the hidden states alone."
         )
 
 
@@ -352,7 +392,8 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
     if config.target_modules is None:
         config.target_modules = [default_ffn_target(model)]
-    targets = {name: m for name, m in model.named_modules() if name and _matches(config, name)}  # not the root
+    decoder = _in_decoder(model)
+    targets = {name: m for name, m in model.named_modules() if name and _matches(config, name, decoder)}
     layers = decoder_layers(model)
     if config.layers_to_transform is not None:
         bad = [i for i in config.layers_to_transform if i >= len(layers)]
@@ -378,10 +419,14 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             )
         projections = selected_projections(module, config)
         if not projections:
+            kinds = sorted({type(m).__name__ for m in module.children()}) or "no submodules"
             raise ValueError(
-                f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside, so UBMoE cannot build "
-                "experts for it. Target the FFN module of the decoder layers."
+                f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside (it holds {kinds}), so "
+                "UBMoE cannot build experts for it. UBMoE wraps dense FFNs made of nn.Linear projections: GPT-2's "
+                "Conv1D and fused MoE experts are not supported. If this is not the FFN, name the decoder layers' "
+                "FFN module in UBMoEConfig(target_modules=[...])."
             )
+        _check_ffn_inputs(name, module)
         if config.attention_r:
             _check_attention(config, name, layers)
         if config.expert_type == "lora":
