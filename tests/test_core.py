@@ -678,6 +678,16 @@ def test_generate_in_moe_after_training_uses_the_cache_correctly(expert):
     assert torch.equal(next_tokens, out[:, ids.shape[1] :])
 
 
+def test_mode_bi_returns_no_kv_cache_to_decode_from():
+    model, _ = wrap()
+    ids, mask = batch()
+    with torch.no_grad():
+        with ubmoe_peft.use_mode(model, "moe"):
+            assert model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values is not None
+        with ubmoe_peft.use_mode(model, "bi"):
+            assert model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values is None
+
+
 def test_generate_refuses_in_mode_bi():
     model, _ = wrap()
     ubmoe_peft.set_mode(model, "bi")

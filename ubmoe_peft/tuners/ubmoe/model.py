@@ -175,6 +175,9 @@ class UBMoEModel(BaseTuner):
                 "state. Generate in mode 'moe' or 'uni' (ubmoe_peft.set_mode(model, 'moe'))."
             )
         kwargs["is_causal"] = False  # transformers >= 5.2 then builds a bidirectional (padding-only) mask
+        # No KV cache either: mode bi's keys and values (bidirectional, bi experts) are no prefix for later tokens,
+        # and a cache returned here could be passed on to decoding in another mode, which would continue from them.
+        kwargs["use_cache"] = False
         return args, kwargs
 
     def _check_bidirectional(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
