@@ -44,6 +44,42 @@ def test_prompt_template_puts_the_text_mid_prompt(tokenizer):
         to_sentence_transformer(_wrapped(), tokenizer, prompt="{text} {text}")
 
 
+def test_sentence_transformers_length_and_tokenizer_options_are_honoured(tokenizer):
+    st = to_sentence_transformer(_wrapped(), tokenizer, max_length=64)
+    text = w(*range(5, 25))  # 20 tokens
+    assert st.max_seq_length == 64
+    st.max_seq_length = 4  # sentence-transformers' own spelling (it was read as None and ignored when set)
+    assert st[0].preprocess([text])["input_ids"].shape == (1, 4)
+    short = to_sentence_transformer(_wrapped(), tokenizer, max_length=4)
+    torch.testing.assert_close(st.encode([text]), short.encode([text]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="max_length=0"):
+        st.max_seq_length = 0
+
+    st.max_seq_length = 64  # per-call tokenizer options, as sentence-transformers' Transformer takes them
+    per_call = st.encode([text], processing_kwargs={"text": {"max_length": 4}})
+    torch.testing.assert_close(per_call, short.encode([text]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"processing_kwargs\['image'\].*embeds text only"):
+        st.encode([text], processing_kwargs={"image": {"size": 8}})
+
+
+def test_pooling_without_the_prompt_leaves_the_encode_prompt_out(tokenizer):
+    model = _wrapped()
+    st = to_sentence_transformer(model, tokenizer, pooling="mean")
+    st[1].include_prompt = False
+    prompt, texts = w(20, 21) + " ", [w(5, 6, 7), w(8, 9)]
+    got = st.encode(texts, prompt=prompt, convert_to_tensor=True)  # (2, C)
+
+    batch = tokenizer([prompt + t for t in texts], padding=True, return_tensors="pt")
+    with ubmoe_peft.use_mode(model, "bi"), torch.no_grad():
+        hidden = model(**batch, output_hidden_states=True).hidden_states[-1]  # (2, T, C)
+    mask = batch["attention_mask"].clone()
+    mask[:, :2] = 0  # the two prompt tokens (right padding: the prompt starts every row)
+    mask = mask.unsqueeze(-1).float()  # (2, T, 1)
+    torch.testing.assert_close(got, (hidden * mask).sum(1) / mask.sum(1), rtol=1e-5, atol=1e-5)
+    st[1].include_prompt = True
+    assert not torch.allclose(st.encode(texts, prompt=prompt, convert_to_tensor=True), got, atol=1e-4)
+
+
 def test_training_the_sentence_transformer_trains_the_experts(tokenizer):
     model = _wrapped()
     ubmoe_peft.set_stage(model, "contrastive")

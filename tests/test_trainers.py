@@ -117,6 +117,31 @@ def test_contrastive_trainer_saves_the_adapter(tokenizer, tmp_path):
         torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits, expected)
 
 
+@pytest.mark.parametrize("first", ["contrastive", "router"])
+def test_each_trainer_trains_its_own_stage_whichever_was_made_last(tokenizer, tmp_path, first):
+    """Trainers stage the model when they train: made together, each used to leave the other's stage in place."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    _trained_experts(model)
+    stage1 = ContrastiveTrainer(
+        model,
+        tokenizer,
+        args=ContrastiveConfig(output_dir=str(tmp_path / "1"), max_steps=2, per_device_train_batch_size=8, **QUIET),
+        train_dataset=_pairs(),
+    )
+    args = RouterConfig(
+        output_dir=str(tmp_path / "2"), max_steps=2, per_device_train_batch_size=4, max_length=32, **QUIET
+    )
+    stage2 = RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)
+    trainers = {"contrastive": stage1, "router": stage2}
+    trains = {"contrastive": (".ubmoe_lora_",), "router": (".ubmoe_router.",)}
+    for stage in (first, "router" if first == "contrastive" else "contrastive"):
+        before = _snapshot(model)
+        trainers[stage].train()
+        changed = _changed(model, before)
+        assert changed and all(any(part in n for part in trains[stage]) for n in changed), (stage, changed)
+        assert ubmoe_peft.get_mode(model) == {"contrastive": "bi", "router": "moe"}[stage]
+
+
 def _stage_run(stage: str, tokenizer, out, adapter: str = "default", r: int = 8):
     """A fresh model (same seed: same experts) and a 4-step trainer of ``stage`` that saves every 2 steps."""
     torch.manual_seed(0)

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from .modes import ubmoe_layers, use_mode
@@ -61,8 +60,7 @@ class UBMoEEncoder(InputModule):
     ) -> None:
         super().__init__()
         check_prompt(prompt)
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length={max_length!r}: give the longest input in tokens, a positive integer.")
+        _check_max_length(max_length)
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)} ('bi' for embeddings).")
         self.mode = mode
@@ -73,20 +71,55 @@ class UBMoEEncoder(InputModule):
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
+    @property
+    def max_seq_length(self) -> int:
+        """sentence-transformers' name for ``max_length``: ``SentenceTransformer.max_seq_length`` reads and sets it."""
+        return self.max_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        _check_max_length(value)
+        self.max_length = value
+
     def _apply_prompt(self, text: str) -> str:
         if self.prompt is None:
             return text
         return self.prompt.replace("{text}", text) if "{text}" in self.prompt else self.prompt + text
 
-    def preprocess(self, inputs: Sequence[str], prompt: str | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+    def preprocess(
+        self,
+        inputs: Sequence[str],
+        prompt: str | None = None,
+        processing_kwargs: dict[str, dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Tokenized ``prompt + template(text)`` for each text. As sentence-transformers' ``Transformer`` does:
+        ``processing_kwargs`` ("text" or "common" tokenizer options) override the defaults per call, and a ``prompt``
+        sets ``prompt_length``, which a ``Pooling(include_prompt=False)`` leaves out of the pooled span (the
+        template's own words stay in it). ``kwargs`` (``task``) select nothing here: this model has one input
+        route."""
         wrong = [(i, t) for i, t in enumerate(inputs) if not isinstance(t, str)]
         if wrong:  # str(None) would be embedded as the text "None"
             i, value = wrong[0]
             raise TypeError(f"Text {i} to embed is {type(value).__name__} {value!r}; this model embeds strings only.")
+        options: dict[str, Any] = {"padding": True, "truncation": True, "max_length": self.max_length}
+        for modality, values in (processing_kwargs or {}).items():
+            if modality not in ("text", "common") or not isinstance(values, dict):
+                raise ValueError(
+                    f"processing_kwargs[{modality!r}] = {values!r}: this model embeds text only; pass tokenizer "
+                    "options as processing_kwargs={'text': {...}} (or 'common')."
+                )
+            options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
-        return dict(
-            self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        )
+        features: dict[str, Any] = dict(self.tokenizer(texts, return_tensors="pt", **options))
+        if prompt:
+            features["prompt_length"] = self._prompt_length(prompt)
+        return features
+
+    def _prompt_length(self, prompt: str) -> int:
+        """Tokens of ``prompt`` at the start of an input (a leading special token included, a trailing one not)."""
+        ids = self.tokenizer(prompt)["input_ids"]
+        return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         with use_mode(self.model, self.mode):
@@ -109,6 +142,11 @@ class UBMoEEncoder(InputModule):
             "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
             "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') and ubmoe_peft.to_sentence_transformer(...)."
         )
+
+
+def _check_max_length(max_length: Any) -> None:
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length={max_length!r}: give the longest input in tokens, a positive integer.")
 
 
 def to_sentence_transformer(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .modes import routing_stats, set_stage, ubmoe_layers
+from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
 
 try:
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -156,6 +156,12 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             **kwargs,
         )
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # Stage again when training starts, not only when the trainer is made: another trainer (stage 2) or a
+        # set_mode made since then would leave this one training nothing, silently (the optimizer is built here).
+        set_stage(self.peft_model, "contrastive")
+        return super().train(*args, **kwargs)
+
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         """Load a checkpoint of this run (``train(resume_from_checkpoint=...)``, ``load_best_model_at_end``) into the
         model being trained.
@@ -244,6 +250,20 @@ class RouterTrainer(SFTTrainer):
             for adapter, router in layer.ubmoe_router.items():
                 if adapter in configs:
                     router.weight.data = router.weight.data.to(getattr(torch, configs[adapter].router_dtype))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        # Stage again when training starts (see ContrastiveTrainer.train): a stage-1 trainer made after this one left
+        # the model in mode bi with the experts trainable, and SFT then trained them with bidirectional attention.
+        set_stage(self.model, "router")
+        return super().train(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        with use_mode(self.model, "moe"):  # the stage's mode, whatever the model was left in since
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        with use_mode(self.model, "moe"):
+            return super().predict(*args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
