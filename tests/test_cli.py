@@ -129,6 +129,17 @@ def test_training_with_the_same_seed_or_resumed_gives_the_same_adapter(files, tm
         run([*model, "--output_dir", str(tmp_path / "f"), "--resume_from_checkpoint", "nowhere"])
 
 
+def test_data_from_a_saved_dataset_folder_and_split_slices_of_a_file(files, tmp_path):
+    from ubmoe_peft.data import load_rows
+
+    rows = load_rows(files["sts"], "sts")
+    rows.save_to_disk(str(tmp_path / "saved"))  # one Dataset: datasets' load_dataset refuses such a folder
+    assert load_rows(str(tmp_path / "saved"), "sts").to_list() == rows.to_list()
+    assert load_rows(files["sts"], "sts", split="train[:3]").to_list() == rows.to_list()[:3]  # was: every row
+    with pytest.raises(ValueError, match="--split 'validation': a single data file holds one split, 'train'"):
+        load_rows(files["sts"], "sts", split="validation")  # was: the whole file, read as if it were that split
+
+
 def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer):
     adapter = str(tmp_path / "adapter")
     wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig())

@@ -62,6 +62,18 @@ def test_sentence_transformers_length_and_tokenizer_options_are_honoured(tokeniz
         st.encode([text], processing_kwargs={"image": {"size": 8}})
 
 
+def test_truncation_keeps_the_end_of_the_template(tokenizer):
+    """The paper's template ends in `is:"` after the text, where last-token pooling reads: an over-long text loses
+    its own end, not the template's (right truncation used to cut it)."""
+    st = to_sentence_transformer(_wrapped(), tokenizer, pooling="lasttoken", prompt=w(100) + " {text} " + w(101, 102))
+    st.max_seq_length = 6
+    features = st[0].preprocess([w(*range(5, 13)), w(5, 6)])  # 11 tokens in all, and 5
+    assert features["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 6, 101, 102, 0]]
+    assert features["attention_mask"].tolist() == [[1] * 6, [1] * 5 + [0]]
+    alone = st[0].preprocess([w(5, 6)])  # a batch without an over-long row: the tokenizer's own output
+    assert alone["input_ids"].tolist() == [[100, 5, 6, 101, 102]]
+
+
 def test_pooling_without_the_prompt_leaves_the_encode_prompt_out(tokenizer):
     model = _wrapped()
     st = to_sentence_transformer(model, tokenizer, pooling="mean")

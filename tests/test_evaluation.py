@@ -50,6 +50,26 @@ def test_lm_loss_scores_only_the_completion_and_the_last_chat_turn(model, tokeni
     assert pair["loss"] == pytest.approx(-float(logits[2, 8] + logits[3, 9]) / 2, rel=1e-5)
 
 
+def test_every_completion_token_is_scored_whatever_the_tokenizer_does_at_the_boundary(tokenizer):
+    """The completion's tokens were taken as `whole[len(prompt ids):]`: a tokenizer that appends EOS to the prompt
+    alone lost the completion's first token, and a token spanning the boundary lost its start (both silently)."""
+    from tokenizers import processors
+
+    from ubmoe_peft.evaluation import _pair
+
+    pair = {"prompt": w(5, 6) + " ", "completion": w(7, 8, 9)}
+    assert _pair(tokenizer, pair) == ([5, 6], [7, 8, 9])
+    eos = tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {tokenizer.eos_token}", special_tokens=[(tokenizer.eos_token, eos)]
+    )
+    assert _pair(tokenizer, pair) == ([5, 6], [7, 8, 9, eos])  # was ([5, 6, eos], [8, 9, eos])
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    joined = w(5) + w(6)  # no space: the whole tokenizes as one unknown word, the prompt alone as w(5)
+    assert _pair(tokenizer, {"prompt": w(5), "completion": w(6)})[1] == [6]  # was []: nothing scored
+    assert tokenizer(joined)["input_ids"] == [tokenizer.unk_token_id]
+
+
 def test_multiple_choice_picks_the_likeliest_continuation(model, tokenizer):
     tokenizer.pad_token = tokenizer.eos_token
     rows = [{"question": w(5, 6), "choices": [w(7), w(8), w(9, 10)], "label": label} for label in range(3)]

@@ -212,17 +212,37 @@ def test_export_refuses_biases_mixtral_does_not_have():
         model.merge_and_unload()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("trained", ["lm_head", "embed_tokens"])
 @pytest.mark.parametrize("target", ["unload", "bi", "moe"])
-def test_modules_to_save_carry_over(target):
-    """A trained lm_head (modules_to_save) is part of what unload, the bi merge and the export return, as in PEFT."""
-    model = get_peft_model(tiny_model("llama"), UBMoEConfig(modules_to_save=["lm_head"])).eval()
+def test_modules_to_save_carry_over(target, trained, tied, tmp_path):
+    """A trained lm_head or embedding (modules_to_save) is part of what unload, the bi merge and the export return,
+    as in PEFT, also saved and reloaded, and also on a base with tied embeddings (SmolLM2's), which a trained copy
+    unties: the export used to tie them again and differ from mode moe."""
+    config = CONFIGS["llama"]()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    model = get_peft_model(base, UBMoEConfig(modules_to_save=[trained])).eval()
     perturb_adapters(model)
+    copy = model.get_submodule(f"base_model.model.{'lm_head' if trained == 'lm_head' else 'model.embed_tokens'}")
     with torch.no_grad():
-        model.base_model.model.lm_head.modules_to_save["default"].weight.mul_(-2.0)
+        copy.modules_to_save["default"].weight.mul_(-2.0)
     ids, mask = batch(padding="left")
     ubmoe_peft.set_mode(model, {"unload": "uni"}.get(target, target))
     expected = logits(model, ids, mask)
     out = model.unload() if target == "unload" else model.merge_and_unload(target=target)
     assert type(out.lm_head) is torch.nn.Linear
+    out.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     real = mask.bool()
-    torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+    for got in (out, reloaded):
+        torch.testing.assert_close(logits(got, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+def test_export_refuses_qwen3_with_sliding_window_layers():
+    config = CONFIGS["qwen3"]()
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 1
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
+    with pytest.raises(ValueError, match="Qwen3 model with use_sliding_window=True"):
+        model.merge_and_unload()

@@ -26,7 +26,7 @@ COLUMNS = {
 
 def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
-    from datasets import load_dataset
+    from datasets import load_dataset, load_from_disk
 
     if spec is None:
         spec = str(DEMO_DATA / DEMO_FILES["sft" if task in ("lm", "texts") else task])
@@ -41,10 +41,19 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
                     f"Data file {spec!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
                     "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
                 )
+            if split.split("[")[0] != "train":
+                raise ValueError(
+                    f"--split {split!r}: a single data file holds one split, 'train' (a slice such as 'train[:100]' "
+                    "selects rows). Pass a dataset folder or hub id for other splits, or drop --split."
+                )
             extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
-            rows = load_dataset(loader, data_files=str(path), split="train", **extra)
+            rows = load_dataset(loader, data_files=str(path), split=split, **extra)
             if loader == "text":  # one text per line: blank lines separate texts, they are not texts
                 rows = rows.filter(lambda row: bool(row["text"].strip()))
+        elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
+            # One `Dataset.save_to_disk` folder, which load_dataset refuses (a saved DatasetDict has a folder per
+            # split and loads below): it holds one split, as a single file does.
+            rows = load_from_disk(str(path))
         else:
             rows = load_dataset(spec, split=split)
     except (FileNotFoundError, ConnectionError) as err:

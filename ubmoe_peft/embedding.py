@@ -111,10 +111,32 @@ class UBMoEEncoder(InputModule):
                 )
             options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
-        features: dict[str, Any] = dict(self.tokenizer(texts, return_tensors="pt", **options))
+        features = self._tokenize(texts, options)
         if prompt:
             features["prompt_length"] = self._prompt_length(prompt)
         return features
+
+    def _tokenize(self, texts: list[str], options: dict[str, Any]) -> dict[str, Any]:
+        """The tokenizer's batch, except that a row over ``max_length`` keeps the end of the template (the paper's
+        ``is:"``, which last-token pooling reads) and loses the end of its text instead: right truncation used to cut
+        the template's words after ``{text}``."""
+        features = dict(self.tokenizer(texts, return_tensors="pt", **options))
+        suffix = self.prompt.split("{text}", 1)[1] if self.prompt and "{text}" in self.prompt else ""
+        limit = options.get("max_length")
+        if not suffix.strip() or options.get("truncation") is not True or not isinstance(limit, int):
+            return features
+        full = self.tokenizer(texts)["input_ids"]
+        if all(len(ids) <= limit for ids in full):
+            return features
+        specials = set(self.tokenizer.all_special_ids)
+        tail = len(self.tokenizer(suffix, add_special_tokens=False)["input_ids"])
+        rows = []
+        for ids in full:
+            end = next(i for i in range(len(ids), -1, -1) if i == 0 or ids[i - 1] not in specials)  # before EOS etc.
+            keep = tail + len(ids) - end  # the template's end and the tokenizer's closing special tokens
+            rows.append(ids if len(ids) <= limit or keep >= limit else ids[: limit - keep] + ids[len(ids) - keep :])
+        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of")}
+        return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", **padding))
 
     def _prompt_length(self, prompt: str) -> int:
         """Tokens of ``prompt`` at the start of an input (a leading special token included, a trailing one not)."""

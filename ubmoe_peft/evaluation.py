@@ -89,14 +89,30 @@ def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
             raise ValueError("The chat template does not render the conversation as a prefix plus the last turn.")
         return context, whole[len(context) :]
     if "prompt" in example and "completion" in example:
-        context = tokenizer(example["prompt"])["input_ids"]
-        whole = tokenizer(example["prompt"] + example["completion"])["input_ids"]
-        return context, whole[len(context) :]
+        return _prompt_completion(tokenizer, example["prompt"], example["completion"])
     if "text" in example:
         return _pair(tokenizer, example["text"])
     raise ValueError(
         f"Cannot score an example with keys {sorted(example)}: give 'messages', 'prompt' and 'completion', or 'text'."
     )
+
+
+def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) with every completion token scored. As lm-evaluation-harness does, a prompt's
+    trailing whitespace moves to the completion (BPE tokenizers attach a space to the next word: "Answer: " +
+    "Paris" would otherwise score " is it" without "Paris"), and an end-of-text token a tokenizer appends to the
+    prompt alone is no part of the context. Where a token still spans the boundary, the completion is tokenized on
+    its own after the prompt's tokens."""
+    spaces = len(prompt) - len(prompt.rstrip())
+    if spaces:
+        prompt, completion = prompt[:-spaces], prompt[-spaces:] + completion
+    context = tokenizer(prompt)["input_ids"]
+    if len(context) > 1 and context[-1] == tokenizer.eos_token_id:
+        context = context[:-1]
+    whole = tokenizer(prompt + completion)["input_ids"]
+    if whole[: len(context)] == context:
+        return context, whole[len(context) :]
+    return context, tokenizer(completion, add_special_tokens=False)["input_ids"]
 
 
 def _ids(rendered: Any) -> list[int]:

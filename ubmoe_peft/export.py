@@ -41,6 +41,12 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
             f"Cannot export model_type={base_config.model_type!r} with {unsupported}=True to Mixtral, which has no "
             "biases. Use merge_and_unload(target='bi') or keep the adapter separate."
         )
+    if target == "qwen3_moe" and getattr(base_config, "use_sliding_window", False):
+        raise ValueError(
+            "Cannot export a Qwen3 model with use_sliding_window=True: Qwen3-MoE places the sliding-window layers "
+            "differently, so the export would not equal mode moe. Keep the adapter separate (model.save_pretrained) "
+            "or use merge_and_unload(target='bi')."
+        )
     fields = {k: v for k, v in base_config.to_dict().items() if k not in _DROP}
     fields.update(num_experts_per_tok=top_k, output_router_logits=False)
     if target == "mixtral":
@@ -125,13 +131,6 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         if target == "qwen2_moe":
             state.update(_empty_shared_expert(down, prefix))
 
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    device = next(model.parameters()).device
-    moe_config = _config(config, target, top_k, dense)
-    with torch.device(device):
-        exported = AutoModelForCausalLM.from_config(
-            moe_config, dtype=dtype, attn_implementation=config._attn_implementation
-        )
     wrappers = {n: m for n, m in model.named_modules() if hasattr(m, "unload_and_optionally_merge_module")}
     for key, value in model.state_dict().items():  # attention, norms, embeddings, head: same names in both
         if ".mlp." not in key and not any(key.startswith(f"{name}.") for name in wrappers):
@@ -139,6 +138,24 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     for name, wrapper in wrappers.items():  # PEFT's modules_to_save: the trained module, as PEFT's unload gives it
         module = wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
         state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
+
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    device = next(model.parameters()).device
+    moe_config = _config(config, target, top_k, dense)
+    head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if (
+        moe_config.tie_word_embeddings
+        and head is not None
+        and embedding is not None
+        and not torch.equal(head, embedding)
+    ):
+        # A trained modules_to_save copy of the head or the embeddings unties them in the adapted model; a tied
+        # export would load one of the two tensors into both and silently differ from mode moe.
+        moe_config.tie_word_embeddings = False
+    with torch.device(device):
+        exported = AutoModelForCausalLM.from_config(
+            moe_config, dtype=dtype, attn_implementation=config._attn_implementation
+        )
     exported.load_state_dict(state, strict=True)
     if moe_config.tie_word_embeddings:
         exported.tie_weights()

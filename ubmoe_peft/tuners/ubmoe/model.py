@@ -288,6 +288,10 @@ class UBMoEModel(BaseTuner):
             setattr(parent, child, new)
         if hasattr(self.model, "peft_config"):
             del self.model.peft_config
+        config, head = getattr(self.model, "config", None), self.model.get_output_embeddings()
+        if getattr(config, "tie_word_embeddings", False) and head is not None:
+            if head.weight is not self.model.get_input_embeddings().weight:  # a trained copy of one of them
+                config.tie_word_embeddings = False  # else a reload would tie them again (and warn)
         return self.model
 
 
