@@ -188,6 +188,11 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-lm", "--data", "{bad}/one_choice.jsonl"], ValueError, "Row 0: choices must be a list of at least 2"),
         (["train-router", "--adapter", "a", "--data", "{bad}/no_turns.jsonl"], ValueError, "empty 'messages'"),
         (["dependence", "--data", "{bad}/no_user.jsonl"], ValueError, r"Chat row 0 .* no user turn \(roles \['system'"),
+        (
+            ["train-router", "--adapter", "a", "--data", "{bad}/blank_turn.jsonl"],
+            ValueError,
+            r"turn 1 \('assistant'\) has empty",
+        ),
         (["eval-sts", "--data", "{sts}", "--prompt", "Say {{sentence}}:"], ValueError, "the placeholder .{sentence}."),
         (["eval-sts", "--data", "{sts}", "--batch_size", "0"], ValueError, "--batch_size 0 .* must both be positive"),
         (["eval-lm", "--data", "{texts}", "--max_rows", "-1"], ValueError, "--max_rows -1: give a positive number"),
@@ -212,6 +217,8 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "no_turns.jsonl").write_text(json.dumps({"messages": []}) + "\n")
     no_user = {"messages": [{"role": "system", "content": w(3)}, {"role": "assistant", "content": w(4)}]}
     (bad / "no_user.jsonl").write_text(json.dumps(no_user) + "\n")
+    blank_turn = {"messages": [{"role": "user", "content": w(3)}, {"role": "assistant", "content": " "}]}
+    (bad / "blank_turn.jsonl").write_text(json.dumps(blank_turn) + "\n")
     argv = [a.format(bad=bad, **files) for a in argv]
     with pytest.raises(error, match=message):
         run([argv[0], "--model", files["model"], *argv[1:]])

@@ -147,6 +147,20 @@ def test_bad_examples_are_named_not_scored(model, tokenizer):
     assert as_text == multiple_choice_accuracy(model, tokenizer, [{**row, "label": 1}])
 
 
+def test_a_chat_must_end_with_the_assistant_turn_it_scores(model, tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    user, assistant = {"role": "user", "content": w(5)}, {"role": "assistant", "content": w(6)}
+    good = {"messages": [user, assistant]}
+    for messages, roles in [
+        ([user, assistant, user], "'user', 'assistant', 'user'"),
+        ([assistant], "'assistant'"),
+        ([], ""),
+    ]:
+        with pytest.raises(ValueError, match=rf"Example 1 \(counting from 0\): A chat example with roles \[{roles}\]"):
+            lm_loss(model, tokenizer, [good, {"messages": messages}])
+    assert lm_loss(model, tokenizer, [good])["tokens"] == 1
+
+
 def test_track_routing_counts_every_batch_not_only_the_last(model, tokenizer):
     texts = [w(*range(i, i + 4 + i % 5)) for i in range(5, 14)]  # 9 texts of different lengths: padding in play
     with ubmoe_peft.track_routing(model) as whole:

@@ -83,6 +83,28 @@ def _check_cells(rows: Any, spec: str) -> None:
                     f"Data {spec!r}: row {i} (counting from 0) has an empty {column!r} ({value!r}). Fill it in or "
                     "drop the row."
                 )
+            if column == "messages":
+                _check_turns(value, i, spec)
+
+
+def _check_turns(messages: list, row: int, spec: str) -> None:
+    """Refuse a chat turn without a role or with empty content (a system prompt and a tool call may have none):
+    trained on, it is a turn of nothing; scored, a last turn of no tokens."""
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(
+                f"Data {spec!r}: row {row} (counting from 0), turn {j} is {str(message)[:60]!r}; every turn of "
+                "'messages' is a {'role': ..., 'content': ...} object."
+            )
+        content = message.get("content")
+        blank = content is None or (
+            isinstance(content, (str, list)) and not (content.strip() if isinstance(content, str) else content)
+        )
+        if blank and message["role"] != "system" and not message.get("tool_calls"):  # a tool call has no content
+            raise ValueError(
+                f"Data {spec!r}: row {row} (counting from 0), turn {j} ({message['role']!r}) has empty content "
+                f"({content!r}). Fill it in or drop the row."
+            )
 
 
 def _select(rows: Any, task: str, spec: str) -> Any:

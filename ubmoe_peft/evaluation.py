@@ -82,6 +82,13 @@ def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
         return ids[:1], ids[1:]
     if "messages" in example:  # score the last (assistant) turn given the conversation before it
         messages = example["messages"]
+        roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages or []]
+        if not roles or roles[-1] != "assistant" or len(roles) < 2:
+            raise ValueError(
+                f"A chat example with roles {roles}: the score is the loss of a chat's last turn given the turns "
+                "before it, so a chat needs at least one turn before a last turn by the 'assistant'. End each chat "
+                "with the assistant's reply (drop a trailing user turn)."
+            )
         context = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
         whole = tokenizer.apply_chat_template(messages, tokenize=True)
         context, whole = _ids(context), _ids(whole)
@@ -187,7 +194,12 @@ def lm_loss(
         )
     if not examples:
         raise ValueError("lm_loss needs at least one example.")
-    pairs = [_pair(tokenizer, ex) for ex in examples]
+    pairs = []
+    for i, example in enumerate(examples):
+        try:
+            pairs.append(_pair(tokenizer, example))
+        except ValueError as err:  # name the example: the data can be thousands of rows
+            raise ValueError(f"Example {i} (counting from 0): {err}") from err
     empty = [i for i, (context, continuation) in enumerate(pairs) if not context and not continuation]
     if empty:
         raise ValueError(
