@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import perturb_adapters, tiny_model, w
@@ -70,8 +72,18 @@ def test_truncation_keeps_the_end_of_the_template(tokenizer):
     features = st[0].preprocess([w(*range(5, 13)), w(5, 6)])  # 11 tokens in all, and 5
     assert features["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 6, 101, 102, 0]]
     assert features["attention_mask"].tolist() == [[1] * 6, [1] * 5 + [0]]
-    alone = st[0].preprocess([w(5, 6)])  # a batch without an over-long row: the tokenizer's own output
-    assert alone["input_ids"].tolist() == [[100, 5, 6, 101, 102]]
+    calls = []
+    st[0].tokenizer = functools.partial(_counted, tokenizer, calls)
+    alone = st[0].preprocess([w(5, 6)])  # a batch without a row at the limit: the tokenizer's own output, one pass
+    assert alone["input_ids"].tolist() == [[100, 5, 6, 101, 102]] and len(calls) == 1
+    st[0].tokenizer = tokenizer
+    at_limit = st[0].preprocess([w(5, 6, 7), w(5)])  # 6 tokens: at the limit, not over it
+    assert at_limit["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 101, 102, 0, 0]]
+
+
+def _counted(tokenizer, calls, *args, **kwargs):
+    calls.append(args)
+    return tokenizer(*args, **kwargs)
 
 
 def test_pooling_without_the_prompt_leaves_the_encode_prompt_out(tokenizer):

@@ -125,7 +125,10 @@ class UBMoEEncoder(InputModule):
         limit = options.get("max_length")
         if not suffix.strip() or options.get("truncation") is not True or not isinstance(limit, int):
             return features
-        full = self.tokenizer(texts)["input_ids"]
+        mask = features.get("attention_mask")
+        if mask is not None and int(mask.sum(-1).max()) < limit:  # no row reached the limit: none was cut
+            return features
+        full = self.tokenizer(texts)["input_ids"]  # only a batch with a row at the limit is tokenized in full
         if all(len(ids) <= limit for ids in full):
             return features
         specials = set(self.tokenizer.all_special_ids)
