@@ -66,6 +66,11 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     run(["train-router", *model, "--adapter", stage1, "--data", files["texts"], "--output_dir", stage2]
          + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
 
+    hints = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
+    assert hints == [  # commands to copy, with the base they were trained on
+        f"ubmoe train-router --model {files['model']} --adapter {stage1}",
+        f"ubmoe export --model {files['model']} --adapter {stage2}",
+    ]
     base = AutoModelForCausalLM.from_pretrained(files["model"]).eval()
     trained = PeftModel.from_pretrained(base, stage2).eval()
     assert trained.peft_config["default"].expert_type == "copy"

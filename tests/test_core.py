@@ -29,6 +29,14 @@ def wrap(arch="llama", expert="lora", attn=None, **kw):
     return model, reference
 
 
+def logits_per_mode(model, ids, mask):
+    out = {}
+    for mode in MODES:
+        with ubmoe_peft.use_mode(model, mode):
+            out[mode] = logits(model, ids, mask)
+    return out
+
+
 def layers(model):
     return [m for m in model.modules() if isinstance(m, UBMoELayer)]
 
@@ -642,7 +650,79 @@ def test_lora_b_is_stored_column_major_through_load_cast_and_copy(tmp_path, low_
     assert column_major(b_weights(copy.deepcopy(loaded))) and column_major(b_weights(loaded.to(torch.bfloat16)))
 
 
+@pytest.mark.parametrize("saved_in", ["bi", "moe"])
+def test_loading_onto_the_base_that_was_wrapped_gives_a_working_model(saved_in, tmp_path):
+    """MISSION's ``model.save_pretrained(d); PeftModel.from_pretrained(base, d)`` reuses ``base``, which
+    get_peft_model changed in place. The reused layers followed the first model's mode (set_mode on the new model
+    did not reach them: its mode uni was not the base model) and its hooks stayed on the backbone."""
+    base = tiny_model("llama")
+    reference = copy.deepcopy(base)
+    model = get_peft_model(base, UBMoEConfig(attention_r=4)).eval()
+    perturb_adapters(model)
+    ids, mask = batch(padding="left")
+    expected = logits_per_mode(model, ids, mask)
+    ubmoe_peft.set_mode(model, saved_in)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(base, tmp_path).eval()
+    assert ubmoe_peft.get_mode(loaded) == "moe"
+    torch.testing.assert_close(logits(loaded, ids, mask), expected["moe"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits_per_mode(loaded, ids, mask), expected, rtol=1e-5, atol=1e-5)
+    with ubmoe_peft.use_mode(loaded, "uni"):
+        torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="base was wrapped again .*Use the model that call returned"):
+        ubmoe_peft.set_mode(model, "uni")
+
+
+# ---- accelerate offloading -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_a_wrapped_model_offloaded_by_accelerate_computes_the_same(expert, tmp_path):
+    """accelerate's cpu_offload keeps every weight on the meta device outside its module's call. The LoRA deltas read
+    their weights directly and computed on meta tensors (moe off by 0.5, bi NaN, silently); hooked LoRA modules are
+    now called. Merging and saving such a model refuse, naming why."""
+    from accelerate import cpu_offload
+
+    model, _ = wrap("llama", expert, attention_r=4 if expert == "lora" else 0)
+    perturb_adapters(model)
+    ids, mask = batch(padding="left")
+    expected = logits_per_mode(model, ids, mask)
+    cpu_offload(model.get_base_model(), execution_device=torch.device("cpu"))
+    assert layers(model)[0].ubmoe_router["default"].weight.is_meta
+    torch.testing.assert_close(logits_per_mode(model, ids, mask), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(
+        ValueError, match=r"merge_and_unload\(target='moe'\) reads every weight, but \d+ are on the meta"
+    ):
+        model.merge_and_unload()
+    with pytest.raises(ValueError, match="tensors are on the meta device .*Save the adapter before offloading"):
+        model.save_pretrained(tmp_path)
+    assert not (tmp_path / "adapter_config.json").exists()
+
+
+def test_a_base_with_offloaded_ffn_weights_is_refused_before_any_change():
+    base = tiny_model("llama")
+    base.model.layers[1].mlp.to("meta")  # what a device_map with a 'disk' entry leaves in the module
+    with pytest.raises(ValueError, match="'model.layers.1.mlp' has its weights on the meta device.*in memory"):
+        get_peft_model(base, UBMoEConfig())
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+
+
 # ---- multiple adapters --------------------------------------------------------------------------------------------
+def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():
+    """New modules start in training mode; an adapter added to an eval-mode model used to drop out at inference
+    once set active (PEFT's LoRA still does)."""
+    model, _ = wrap("llama", "lora", attention_r=4)
+    model.add_adapter("two", UBMoEConfig(lora_dropout=0.5, attention_r=4))
+    perturb_adapters(model)
+    model.set_adapter("two")
+    assert not any(m.training for m in model.modules())
+    ids, mask = batch()
+    for mode in MODES:
+        with ubmoe_peft.use_mode(model, mode):
+            assert torch.equal(logits(model, ids, mask), logits(model, ids, mask))
+    model.train()
+    model.add_adapter("three", UBMoEConfig(lora_dropout=0.5))
+    assert all(m.training for m in model.modules())
+
+
 def test_multiple_adapters_by_name():
     model, reference = wrap()
     model.add_adapter("second", UBMoEConfig(expert_type="copy"))
@@ -696,6 +776,25 @@ def test_generate_refuses_in_mode_bi():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="mode 'bi'"):
         model.base_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_mode_bi_generates_without_a_cache_by_encoding_again(task_type):
+    """Without a cache, the bidirectional model generates: every step encodes the whole text in mode bi. Both PEFT
+    wrappers agree (a plain PeftModel's generate bypasses UBMoEModel.generate: only a cache was refused there)."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(task_type=task_type)).eval()
+    perturb_adapters(model, std=0.2)
+    ubmoe_peft.set_mode(model, "bi")
+    ids, mask = batch(padding="left")
+    with pytest.raises(RuntimeError, match="KV cache in mode 'bi'.*use_cache=False"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False
+    )
+    for step in range(4):  # each token is the argmax of a full mode-bi forward over everything before it
+        seen = out[:, : ids.shape[1] + step]
+        seen_mask = torch.cat([mask, torch.ones(3, step, dtype=mask.dtype)], dim=1)
+        assert torch.equal(logits(model, seen, seen_mask)[:, -1].argmax(-1), out[:, ids.shape[1] + step])
 
 
 @pytest.mark.parametrize("attn", ATTNS)

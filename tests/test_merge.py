@@ -240,6 +240,27 @@ def test_modules_to_save_carry_over(target, trained, tied, tmp_path):
         torch.testing.assert_close(logits(got, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("target", ["bi", "moe"])
+def test_merging_another_adapter_takes_its_modules_to_save(target):
+    """merge_and_unload(adapter_names=["two"]) while "default" is active: PEFT's unload of a modules_to_save wrapper
+    returns the active adapter's copy, and the result used to be two's experts with default's head."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(modules_to_save=["lm_head"])).eval()
+    model.add_adapter("two", UBMoEConfig(modules_to_save=["lm_head"]))
+    head = model.get_submodule("base_model.model.lm_head")
+    with torch.no_grad():
+        head.modules_to_save["default"].weight.mul_(1.5)
+        head.modules_to_save["two"].weight.mul_(-0.5)
+    perturb_adapters(model)
+    ids, mask = batch(padding="left")
+    model.set_adapter("two")
+    with ubmoe_peft.use_mode(model, target):
+        expected = logits(model, ids, mask)
+    model.set_adapter("default")
+    out = model.merge_and_unload(target=target, adapter_names=["two"])
+    real = mask.bool()
+    torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
 def test_export_refuses_qwen3_with_sliding_window_layers():
     config = CONFIGS["qwen3"]()
     config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -333,8 +334,14 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
     rows = contrastive_pairs(rows)
     ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=_resume(config))
     model.save_pretrained(config.output_dir)
-    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe train-router --adapter {config.output_dir}")
+    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'train-router', config)}")
     return config.output_dir
+
+
+def _next(model_args: ModelArgs, command: str, config: Any) -> str:
+    """The next command to run on the adapter just saved, with the base it was trained on."""
+    model = "" if model_args.model == ModelArgs.model else f" --model {shlex.quote(model_args.model)}"
+    return f"ubmoe {command}{model} --adapter {shlex.quote(str(config.output_dir))}"
 
 
 def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
@@ -350,7 +357,7 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
     trainer = RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=_resume(config))
     model.save_pretrained(config.output_dir)
-    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: ubmoe export --adapter {config.output_dir}")
+    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'export', config)}")
     return config.output_dir
 
 

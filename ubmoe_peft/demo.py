@@ -155,6 +155,9 @@ def run_demo(args: DemoArgs) -> str:
     )
     stage2.train()
     lap("stage 2: router training by SFT")
+    for stage in ("stage1", "stage2"):  # the trainers' output folders; nothing is saved there (save_strategy "no")
+        if (out / stage).is_dir() and not any((out / stage).iterdir()):
+            (out / stage).rmdir()
 
     after = _measure(model, tokenizer, data, {"sts": ["bi"], "lm": ["uni", "moe"], "dependence": ["bi", "moe"]})
     answers["moe (trained UBMoE)"] = _answer(model, tokenizer, "moe")

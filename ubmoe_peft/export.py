@@ -136,7 +136,7 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         if ".mlp." not in key and not any(key.startswith(f"{name}.") for name in wrappers):
             state[key] = value
     for name, wrapper in wrappers.items():  # PEFT's modules_to_save: the trained module, as PEFT's unload gives it
-        module = wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+        module = saved_module(wrapper, adapter)
         state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
 
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
@@ -161,3 +161,13 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         exported.tie_weights()
     exported.generation_config = copy.deepcopy(model.generation_config)
     return exported.eval()
+
+
+def saved_module(wrapper: nn.Module, adapter: str) -> nn.Module:
+    """What a PEFT ``modules_to_save`` wrapper stands for under ``adapter``: that adapter's trained copy, or the
+    original module where the adapter has none. PEFT's own unload returns the active adapter's copy, whichever
+    adapter is being merged."""
+    copies = getattr(wrapper, "modules_to_save", None)
+    if not isinstance(copies, nn.ModuleDict):  # another kind of PEFT wrapper: its own unload
+        return wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=[adapter])
+    return copies[adapter] if adapter in copies else wrapper.original_module

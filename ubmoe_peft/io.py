@@ -202,6 +202,13 @@ class _Weights(dict):
 def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def atomic_safe_save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
+        offloaded = [key for key, tensor in tensors.items() if getattr(tensor, "is_meta", False)]
+        if offloaded:  # safetensors' own error: "Cannot copy out of meta tensor; no data!"
+            raise ValueError(
+                f"Cannot save {filename}: {len(offloaded)} of its tensors are on the meta device (e.g. "
+                f"{offloaded[0]!r}): accelerate has offloaded them and keeps their values outside the model. Save "
+                "the adapter before offloading the model (model.save_pretrained, then accelerate.cpu_offload)."
+            )
         atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
 
     atomic_safe_save_file._ubmoe_wrapped = original  # type: ignore[attr-defined]

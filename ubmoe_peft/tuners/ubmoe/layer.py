@@ -104,6 +104,11 @@ def _lora_delta(
     if dropout.training:
         x = dropout(x.to(a.weight.dtype))  # (N, C_in)
     flat = out.reshape(-1, out.shape[-1])  # (N, C_out)
+    if _intercepted(a, b):
+        # Hooks that put the weights in place only during a call (accelerate's offloading keeps them on the meta
+        # device otherwise): the deltas through the modules' calls.
+        h = a(x.to(a.weight.dtype)) * scale  # (N, r)
+        return (flat + b(h).to(flat.dtype)).view(out.shape)
     return _add_lora(flat, x, a.weight, b.weight, scale).view(out.shape)
 
 
@@ -264,6 +269,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.top_k[adapter_name] = config.top_k
         self.expert_type[adapter_name] = config.expert_type
         self.router_gradient[adapter_name] = config.router_gradient
+        for name in (*self.adapter_layer_names, "ubmoe_dropout"):  # new modules start in training mode: follow ours
+            modules = getattr(self, name)
+            if adapter_name in modules:
+                modules[adapter_name].train(self.training)
         self.set_adapter(self.active_adapters)
 
     def _add_attention_adapter(self, adapter_name: str, config: UBMoEConfig, device: torch.device) -> None:
@@ -365,8 +374,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         token routed to uni) pays nothing for them: a module without hooks takes PyTorch's fast call path.
         """
         dropout = _dropout_while_trained(self.ubmoe_dropout[adapter], self._lora_a_weight(adapter))
-        if not dropout.training:
-            out = self._written_out(self.base_layer, x, (self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter], scale))
+        lora_a, lora_b = self.ubmoe_lora_A[adapter], self.ubmoe_lora_B[adapter]
+        if not dropout.training and not _intercepted(*lora_a.values(), *lora_b.values()):
+            out = self._written_out(self.base_layer, x, (lora_a, lora_b, scale))
             if out is not None:
                 return out
         handles = [

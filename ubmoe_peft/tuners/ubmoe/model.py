@@ -20,7 +20,7 @@ from ...architectures import (
     linear_projections,
     text_config,
 )
-from ...export import export_moe
+from ...export import export_moe, saved_module
 from ...io import AdapterMismatchError
 from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
@@ -73,10 +73,35 @@ class UBMoEModel(BaseTuner):
         # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
+        self._take_over(model)
         validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
         self._ubmoe_decoder = _in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
+
+    def _take_over(self, model: nn.Module) -> None:
+        """Make UBMoE layers of an earlier PeftModel on this same base follow this model.
+
+        get_peft_model changes the base in place, and PEFT then wraps it again (with a warning): the MISSION's
+        ``model.save_pretrained(d); PeftModel.from_pretrained(base, d)`` does exactly that. PEFT's LoRA layers simply
+        gain the adapter; ours also read their mode from the model that made them, and that model's backbone hooks
+        stay on the base. Left so, set_mode on the new model would not reach the layers (its mode uni would not be
+        the base model) and the old hooks would keep a mode-bi attention bidirectional. So the layers follow this
+        model, the old hooks go, and the old model refuses mode switches from now on, naming why."""
+        layers = [m for m in model.modules() if isinstance(m, UBMoELayer) and m._state is not self._ubmoe_state]
+        if not layers:
+            return
+        backbone = getattr(model, "base_model", model)
+        owners = {id(h.__self__): h.__self__ for h in backbone._forward_pre_hooks.values() if hasattr(h, "__self__")}
+        for owner in owners.values():
+            if isinstance(owner, UBMoEModel) and owner is not self:
+                for handle in owner._ubmoe_hooks:
+                    handle.remove()
+                owner._ubmoe_hooks.clear()
+        for layer in layers:
+            layer._state.superseded = True
+            layer._state = self._ubmoe_state
+            layer.set_attention_hooks(self._ubmoe_state.attention_hooked)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
@@ -171,8 +196,9 @@ class UBMoEModel(BaseTuner):
             # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
             # its first step, whichever wrapper's `generate` was called.
             raise RuntimeError(
-                "Cannot generate (or use a KV cache) in mode 'bi': each new token would change every earlier hidden "
-                "state. Generate in mode 'moe' or 'uni' (ubmoe_peft.set_mode(model, 'moe'))."
+                "Cannot generate with (or use) a KV cache in mode 'bi': each new token would change every earlier "
+                "hidden state. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass use_cache=False "
+                "to have the bidirectional model generate by encoding the whole text again at every step."
             )
         kwargs["is_causal"] = False  # transformers >= 5.2 then builds a bidirectional (padding-only) mask
         # No KV cache either: mode bi's keys and values (bidirectional, bi experts) are no prefix for later tokens,
@@ -208,10 +234,13 @@ class UBMoEModel(BaseTuner):
 
     # ---- generation, unload -------------------------------------------------------------------------------------
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled:
+        bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
+        if bidirectional and kwargs.get("use_cache") is not False:
             raise RuntimeError(
-                "Cannot generate in mode 'bi': a bidirectional model's earlier states change with every new token, so "
-                "it has no KV cache to decode with. Switch first: ubmoe_peft.set_mode(model, 'moe') (or 'uni')."
+                "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
+                "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass "
+                "use_cache=False to have the bidirectional model generate by encoding the whole text again at every "
+                "step (slow; how a bidirectional model's own generation is measured)."
             )
         return self.model.generate(*args, **kwargs)
 
@@ -235,6 +264,13 @@ class UBMoEModel(BaseTuner):
         if target not in ("moe", "bi"):
             raise ValueError(f"merge_and_unload(target={target!r}): target must be 'moe' or 'bi'.")
         adapter = self._merge_adapter(adapter_names)
+        offloaded = [name for name, p in self.model.named_parameters() if p.is_meta]
+        if offloaded:
+            raise ValueError(
+                f"merge_and_unload(target={target!r}) reads every weight, but {len(offloaded)} are on the meta device "
+                f"(offloaded by accelerate, e.g. {offloaded[0]!r}). Merge before offloading, or load the base with "
+                "every weight in memory, load the adapter on it (PeftModel.from_pretrained) and merge there."
+            )
         if target == "moe":
             return export_moe(self.model, adapter, check_finite=safe_merge)
         layers = [m for m in self.model.modules() if isinstance(m, UBMoELayer) and adapter in m.ubmoe_router]
@@ -243,7 +279,7 @@ class UBMoEModel(BaseTuner):
         merged = {id(layer): layer.bi_ffn(adapter, weights[id(layer)]) for layer in layers}
         for layer in layers:
             layer.merge_attention(attention[id(layer)])
-        model = self._unwrap(lambda layer: merged.get(id(layer), layer.base_layer))
+        model = self._unwrap(lambda layer: merged.get(id(layer), layer.base_layer), adapter)
         for config in {id(c): c for c in (getattr(model, "config", None), text_config(model)) if c}.values():
             config.is_causal = False  # masking_utils: a bidirectional mask for every attention implementation
         return model
@@ -269,9 +305,10 @@ class UBMoEModel(BaseTuner):
             raise merge_unsupported()
         return self._unwrap(lambda layer: layer.base_layer)
 
-    def _unwrap(self, replacement: Any) -> nn.Module:
+    def _unwrap(self, replacement: Any, adapter: str | None = None) -> nn.Module:
         """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer, and the trained module in
-        place of every ``modules_to_save`` wrapper (as PEFT's unload does); the bare model."""
+        place of every ``modules_to_save`` wrapper: ``adapter``'s, or the active adapter's as PEFT's unload does when
+        None; the bare model."""
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()
@@ -280,7 +317,10 @@ class UBMoEModel(BaseTuner):
                 module.remove_attention_hooks()
                 new = replacement(module)
             elif hasattr(module, "unload_and_optionally_merge_module"):  # PEFT's modules_to_save wrapper
-                new = module.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+                if adapter is None:
+                    new = module.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
+                else:
+                    new = saved_module(module, adapter)
             else:
                 continue
             parent_name, _, child = name.rpartition(".")
@@ -434,6 +474,14 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
                 "FFN module in UBMoEConfig(target_modules=[...])."
             )
         _check_ffn_inputs(name, module)
+        if any(p.is_meta for p in module.parameters()):
+            raise ValueError(
+                f"Target module {name!r} has its weights on the meta device: accelerate offloads them (a device_map "
+                "with 'cpu' or 'disk' entries beside a GPU, or disk_offload) or they were never loaded. UBMoE adds its "
+                "experts beside the FFN's weights and cannot follow them out of memory. Load the base with every "
+                "decoder layer in memory (device_map='cpu', one GPU, or a 4-bit base as in docs/qlora.md), wrap it, "
+                "and offload after wrapping if you must (accelerate.cpu_offload)."
+            )
         if config.attention_r:
             _check_attention(config, name, layers)
         if config.expert_type == "lora":
