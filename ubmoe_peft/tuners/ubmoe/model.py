@@ -73,8 +73,8 @@ class UBMoEModel(BaseTuner):
         # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
-        self._take_over(model)
         validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
+        self._take_over(model)
         self._ubmoe_decoder = _in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
