@@ -81,6 +81,16 @@ def test_truncation_keeps_the_end_of_the_template(tokenizer):
     assert at_limit["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 101, 102, 0, 0]]
 
 
+def test_a_max_length_passed_to_preprocess_wins(tokenizer):
+    """sentence-transformers' data collator passes the training arguments' max_length to preprocess, which its own
+    Transformer honours over max_seq_length."""
+    st = to_sentence_transformer(_wrapped(), tokenizer)
+    assert st[0].preprocess([w(*range(5, 17))], max_length=6)["input_ids"].shape == (1, 6)
+    assert st[0].preprocess([w(*range(5, 17))])["input_ids"].shape == (1, 12)
+    with pytest.raises(ValueError, match="max_length=-1"):
+        st[0].preprocess([w(5)], max_length=-1)
+
+
 def _counted(tokenizer, calls, *args, **kwargs):
     calls.append(args)
     return tokenizer(*args, **kwargs)

@@ -290,6 +290,15 @@ def test_missing_or_corrupted_file_fails_naming_it(saved, case):
     assert name in str(info.value) and str(folder) in str(info.value), str(info.value)
 
 
+def test_a_folder_of_named_adapters_points_to_them(tmp_path):
+    """save_pretrained puts an adapter not named 'default' in a subfolder; loading the folder itself names them."""
+    model = peft.get_peft_model(tiny(), ubmoe_peft.UBMoEConfig(), adapter_name="mine")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(AdapterFileError, match=r"It holds the adapters \['mine'\].*point to e.g. .*mine"):
+        peft.PeftModel.from_pretrained(tiny(), tmp_path)
+    peft.PeftModel.from_pretrained(tiny(), tmp_path / "mine")
+
+
 def test_modules_to_save_round_trip(tmp_path):
     """A trained lm_head (modules_to_save) saves and loads with the adapter, through the same checked reader."""
     model = wrap(tiny(), modules_to_save=["lm_head"])

@@ -7,6 +7,7 @@ import torch
 from conftest import batch, perturb_adapters, tiny_model, w
 from datasets import Dataset
 from peft import PeftModel, get_peft_model
+from sentence_transformers import losses
 
 import ubmoe_peft
 from ubmoe_peft import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer, UBMoEConfig
@@ -237,12 +238,24 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         ContrastiveTrainer(model, args=stage1, train_dataset=_pairs())
     trainer = ContrastiveTrainer(model, processing_class=tokenizer, args=stage1, train_dataset=_pairs())  # TRL's name
     assert trainer.sentence_transformer[0].tokenizer is tokenizer
+    scored = Dataset.from_dict({"sentence1": [w(3), w(4)], "sentence2": [w(5), w(6)], "score": [0.0, 0.1]})
+    with pytest.raises(ValueError, match=r"train_dataset\['sts'\] has columns .*'score'.*loss=sentence_transformers"):
+        ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset={"nli": _pairs(), "sts": scored})
+    trainer = ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=scored, loss=losses.CoSENTLoss)
+    assert trainer.loss.model is trainer.sentence_transformer  # a loss class is built on the trained model
+    own = ubmoe_peft.to_sentence_transformer(model, tokenizer, pooling="lasttoken")
+    for loss in (losses.CoSENTLoss(own), losses.MatryoshkaLoss(own, losses.MultipleNegativesRankingLoss(own), [8])):
+        with pytest.raises(
+            ValueError, match=f"The loss {type(loss).__name__} was built on another SentenceTransformer"
+        ):
+            ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_pairs(), loss=loss)
 
     stage2 = RouterConfig(output_dir=str(tmp_path), **QUIET)
     with pytest.raises(ValueError, match="RouterTrainer got a train_dataset with no rows"):
         RouterTrainer(model, args=stage2, train_dataset=_texts().select([]), processing_class=tokenizer)
     with pytest.raises(
-        ValueError, match=r"columns \['anchor', 'positive', 'negative'\]; it needs columns \(messages\)"
+        ValueError,
+        match=r"columns \['anchor', 'positive', 'negative'\]; it needs columns \(messages\).*dataset_text_field",
     ):
         RouterTrainer(model, args=stage2, train_dataset=_pairs(), processing_class=tokenizer)
 

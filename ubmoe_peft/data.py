@@ -110,17 +110,24 @@ def _check_turns(messages: list, row: int, spec: str) -> None:
 def _select(rows: Any, task: str, spec: str) -> Any:
     for columns in COLUMNS[task]:
         if set(columns) <= set(rows.column_names):
-            graded = {"score", "label"} & set(rows.column_names)
-            if task == "contrastive" and columns == ("sentence1", "sentence2") and graded:
-                raise ValueError(
-                    f"Data {spec!r} has columns {rows.column_names}: sentence pairs with a {sorted(graded)[0]!r} "
-                    "(STS or NLI data). Contrastive training would take every pair as a positive, whatever its "
-                    "score. Use pairs that mean the same (anchor, positive[, negative]), or drop that column if "
-                    "every pair is a positive."
-                )
+            if task == "contrastive" and columns == ("sentence1", "sentence2"):
+                refuse_graded_pairs(rows.column_names, f"Data {spec!r}")
             return rows.select_columns(list(columns))
     wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])
     raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.")
+
+
+def refuse_graded_pairs(columns: list[str], what: str, fix: str = "") -> None:
+    """Refuse pairs that carry a score or label (sentence-transformers hands those columns to the loss as labels):
+    the in-batch-negatives loss ignores them and would take every pair as a positive."""
+    graded = sorted({"score", "scores", "label", "labels"} & set(columns))
+    if graded:
+        raise ValueError(
+            f"{what} has columns {columns}: sentence pairs with a {graded[0]!r} (STS or NLI data). Contrastive "
+            f"training with in-batch negatives would take every pair as a positive, whatever its {graded[0]}. {fix}"
+            "Use pairs that mean the same (anchor, positive[, negative]), or drop that column if every pair is a "
+            "positive."
+        )
 
 
 def texts_of(rows: Any) -> list[str]:

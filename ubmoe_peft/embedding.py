@@ -96,13 +96,16 @@ class UBMoEEncoder(InputModule):
         """Tokenized ``prompt + template(text)`` for each text. As sentence-transformers' ``Transformer`` does:
         ``processing_kwargs`` ("text" or "common" tokenizer options) override the defaults per call, and a ``prompt``
         sets ``prompt_length``, which a ``Pooling(include_prompt=False)`` leaves out of the pooled span (the
-        template's own words stay in it). ``kwargs`` (``task``) select nothing here: this model has one input
-        route."""
+        template's own words stay in it). A ``max_length`` (sentence-transformers' data collator passes the training
+        arguments' one) wins over ``max_seq_length``, as in ``Transformer``. Other ``kwargs`` (``task``) select
+        nothing here: this model has one input route."""
         wrong = [(i, t) for i, t in enumerate(inputs) if not isinstance(t, str)]
         if wrong:  # str(None) would be embedded as the text "None"
             i, value = wrong[0]
             raise TypeError(f"Text {i} to embed is {type(value).__name__} {value!r}; this model embeds strings only.")
-        options: dict[str, Any] = {"padding": True, "truncation": True, "max_length": self.max_length}
+        max_length = kwargs.get("max_length") or self.max_length
+        _check_max_length(max_length)
+        options: dict[str, Any] = {"padding": True, "truncation": True, "max_length": max_length}
         for modality, values in (processing_kwargs or {}).items():
             if modality not in ("text", "common") or not isinstance(values, dict):
                 raise ValueError(
@@ -165,7 +168,9 @@ class UBMoEEncoder(InputModule):
     def load(cls, *args: Any, **kwargs: Any) -> UBMoEEncoder:
         raise NotImplementedError(
             "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
-            "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') and ubmoe_peft.to_sentence_transformer(...)."
+            "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') (an adapter not named 'default' lies in "
+            "'<folder>/ubmoe_adapter/<name>') and ubmoe_peft.to_sentence_transformer(...). To resume training from a "
+            "checkpoint, use ubmoe_peft.ContrastiveTrainer(...).train(resume_from_checkpoint=...), which loads it."
         )
 
 

@@ -251,9 +251,16 @@ def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
         folder = _local_folder(model_id, kwargs.get("subfolder"))
         if folder is not None and not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             # PEFT would go on to ask the Hub for a local folder's missing file; say what is missing instead.
+            named = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, CONFIG_NAME)))
+            hint = (
+                f" It holds the adapters {named}: save_pretrained puts an adapter not named 'default' in a subfolder "
+                f"of that name, so point to e.g. {os.path.join(folder, named[0])}."
+                if named
+                else ""
+            )
             raise AdapterFileError(
                 f"{os.path.join(folder, CONFIG_NAME)} does not exist, so {folder} is not an adapter folder. Point to "
-                "the folder model.save_pretrained(folder) wrote."
+                f"the folder model.save_pretrained(folder) wrote.{hint}"
             )
         try:
             peft_type = original.__func__(cls, model_id, **kwargs)

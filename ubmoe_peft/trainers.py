@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .data import refuse_graded_pairs
 from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
 
 try:
@@ -36,7 +37,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 PAPER_PROMPT = 'The representative word for sentence {text} is:"'
 
 
-def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | None = None) -> None:
+def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | None = None, hint: str = "") -> None:
     """A train dataset with rows and, when ``needs`` is given, one of its column sets (else a clear error now, not a
     bare KeyError or StopIteration from inside the library that reads it)."""
     if dataset is None or not hasattr(dataset, "column_names"):  # an IterableDataset or a dict of them: theirs
@@ -50,7 +51,25 @@ def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | No
     columns = dataset.column_names
     if isinstance(columns, list) and needs and not any(set(c) <= set(columns) for c in needs):
         wanted = " or ".join("(" + ", ".join(c) + ")" for c in needs)
-        raise ValueError(f"{trainer}'s train_dataset has columns {columns}; it needs columns {wanted}.")
+        raise ValueError(f"{trainer}'s train_dataset has columns {columns}; it needs columns {wanted}.{hint}")
+
+
+def _check_loss_model(loss: Any, model: nn.Module) -> None:
+    """Refuse a loss module built on another SentenceTransformer than the one the trainer trains: it would embed with
+    that model's pooling while the trainer tokenizes, evaluates and saves with its own (sentence-transformers points a
+    loss at the trained model only when it reloads one). A loss class or function is built on the right one."""
+    for item in loss.values() if isinstance(loss, dict) else [loss]:
+        if not isinstance(item, nn.Module):
+            continue
+        for child in item.modules():
+            other = getattr(child, "model", None)
+            if isinstance(other, nn.Module) and hasattr(other, "encode") and other is not model:
+                raise ValueError(
+                    f"The loss {type(item).__name__} was built on another SentenceTransformer than the one "
+                    "ContrastiveTrainer trains (made from ContrastiveConfig's pooling, prompt and max_length, as "
+                    "trainer.sentence_transformer). Pass the loss class or a function of that model instead: "
+                    "loss=CoSENTLoss, or loss=lambda st: MatryoshkaLoss(st, MultipleNegativesRankingLoss(st), [64])."
+                )
 
 
 def _require_ubmoe(model: Any, trainer: str) -> None:
@@ -107,7 +126,9 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
 
     ``train_dataset`` is a `datasets.Dataset` of text columns (anchor, positive[, hard negative], in that order), as
     for any sentence-transformers loss. ``self.sentence_transformer`` is the embedding model being trained; it shares
-    ``model``'s parameters, so after `train()` the PEFT model holds the trained experts.
+    ``model``'s parameters, so after `train()` the PEFT model holds the trained experts. ``loss`` (default: in-batch
+    negatives at ``args.scale``) is a sentence-transformers loss class or a function of that model (``loss=CoSENTLoss``,
+    ``loss=lambda st: ...``), or a dict of them per dataset, since the model is made here.
     """
 
     def __init__(
@@ -117,7 +138,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         args: ContrastiveConfig | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
-        loss: nn.Module | None = None,
+        loss: Any = None,
         **kwargs: Any,
     ) -> None:
         from .embedding import to_sentence_transformer
@@ -146,7 +167,17 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         self.sentence_transformer = to_sentence_transformer(
             model, tokenizer, pooling=args.pooling, prompt=args.prompt, max_length=args.max_length
         )
-        loss = loss if loss is not None else MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
+        if loss is None:
+            datasets = train_dataset if isinstance(train_dataset, dict) else {"": train_dataset}
+            for name, dataset in datasets.items():
+                columns = getattr(dataset, "column_names", None)
+                if isinstance(columns, list):
+                    what = f"ContrastiveTrainer's train_dataset{f'[{name!r}]' if name else ''}"
+                    fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
+                    refuse_graded_pairs(columns, what, fix)
+            loss = MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
+        else:
+            _check_loss_model(loss, self.sentence_transformer)
         super().__init__(
             model=self.sentence_transformer,
             args=args,
@@ -240,7 +271,8 @@ class RouterTrainer(SFTTrainer):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.RouterConfig.")
         if args.dataset_text_field == "text":  # TRL reads these dataset formats (a custom text field: theirs to check)
             needs = [("messages",), ("prompt", "completion"), ("text",), ("input_ids",)]
-            _check_dataset(kwargs.get("train_dataset"), "RouterTrainer", needs)
+            hint = " A column of plain texts under another name: RouterConfig(dataset_text_field=name)."
+            _check_dataset(kwargs.get("train_dataset"), "RouterTrainer", needs, hint)
         set_stage(model, "router")
         super().__init__(model=model, args=args, **kwargs)
         # On a quantized base TRL casts every trainable parameter to bf16 (its QLoRA recipe). The routers keep
