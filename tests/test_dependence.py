@@ -62,3 +62,19 @@ def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
         attention_dependence(model, tokenizer, [w(5, 6), "", "  "])
     with pytest.raises(ValueError, match=r"texts\[0\] is None"):
         attention_dependence(model, tokenizer, [None])
+
+
+def test_dependence_is_measured_without_dropout_in_a_model_being_trained(tokenizer):
+    """Right after training the model is in train mode: attention and LoRA dropout made the measurement random (the
+    three shares no longer summed to 100)."""
+    base = tiny_model("llama", attn="eager")
+    base.config.attention_dropout = 0.3
+    model = get_peft_model(base, UBMoEConfig(lora_dropout=0.3))
+    perturb_adapters(model)
+    texts = [w(5, 6, 7, 8, 9), w(10, 11, 12)]
+    expected = attention_dependence(model.eval(), tokenizer, texts, mode="bi").per_layer
+    model.train()
+    assert attention_dependence(model, tokenizer, texts, mode="bi").per_layer == expected
+    assert model.training
+    with pytest.raises(ValueError, match="batch_size=0: give a positive integer"):
+        attention_dependence(model, tokenizer, texts, batch_size=0)

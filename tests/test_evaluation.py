@@ -84,6 +84,41 @@ def test_multiple_choice_picks_the_likeliest_continuation(model, tokenizer):
     best = max(range(3), key=scores.__getitem__)
     assert got["n"] == 3 and got["accuracy"] == pytest.approx(100 / 3)  # the same pick is right for 1 label of 3
     assert multiple_choice_accuracy(model, tokenizer, [rows[best]], mode="uni")["accuracy"] == 100
+    # lm-evaluation-harness's acc_norm: log-likelihood / len(choice) in characters (no leading space, not bytes)
+    best_norm = max(range(3), key=lambda k: scores[k] / len(rows[0]["choices"][k]))
+    assert multiple_choice_accuracy(model, tokenizer, [rows[best_norm]], mode="uni")["accuracy_norm"] == 100
+
+
+def test_multiple_choice_refuses_choices_it_cannot_score(model, tokenizer):
+    row = {"question": w(5, 6), "choices": [w(7), w(8)], "label": 0}
+    for bad in ["", None, "  "]:
+        with pytest.raises(ValueError, match=f"Row 0: choice 1 is {bad!r}; every choice must be a text"):
+            multiple_choice_accuracy(model, tokenizer, [{**row, "choices": [w(7), bad]}])
+    with pytest.raises(ValueError, match="Row 0: choice 0 has no token left to score .*max_length=1"):
+        multiple_choice_accuracy(model, tokenizer, [row], max_length=1)
+    for kwargs in [dict(batch_size=0), dict(max_length=-3), dict(batch_size=True)]:
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))}=.*give a positive integer"):
+            multiple_choice_accuracy(model, tokenizer, [row], **kwargs)
+        with pytest.raises(ValueError, match="give a positive integer"):
+            lm_loss(model, tokenizer, [w(5, 6)], **kwargs)
+    with pytest.raises(TypeError, match="Example 1 \\(counting from 0\\): An example is int 3"):
+        lm_loss(model, tokenizer, [w(5, 6), 3])
+
+
+def test_an_end_of_text_token_the_prompt_spells_stays_in_the_context(tokenizer):
+    """Only an end-of-text token the tokenizer appended is dropped from the prompt; one the prompt's text ends with
+    (a rendered chat turn, say) used to be dropped too, and scored as the completion's first token."""
+    from tokenizers import processors
+
+    from ubmoe_peft.evaluation import _pair
+
+    eos = tokenizer.eos_token_id
+    pair = {"prompt": w(5) + " " + tokenizer.eos_token, "completion": " " + w(7)}
+    assert _pair(tokenizer, pair) == ([5, eos], [7])
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {tokenizer.eos_token}", special_tokens=[(tokenizer.eos_token, eos)]
+    )
+    assert _pair(tokenizer, pair) == ([5, eos], [7, eos])
 
 
 @pytest.mark.parametrize("mode", ["uni", "bi"])

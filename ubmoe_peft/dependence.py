@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .architectures import text_config
+from .evaluation import _evaluating, check_sizes
 from .modes import use_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -71,10 +72,11 @@ def attention_dependence(
             f"texts[{blank[0]}] is {texts[blank[0]]!r} ({len(blank)} such texts): every text must be non-empty "
             "(a blank line of a text file is one)."
         )
+    check_sizes(batch_size, max_length)
     device = next(model.parameters()).device
     totals: torch.Tensor | None = None  # (L, 3) sums over texts
     switch = use_mode(model, mode) if mode is not None else nullcontext()
-    with switch, _eager_attention(model):
+    with switch, _eager_attention(model), _evaluating(model):  # eval: no dropout in the weights read
         for start in range(0, len(texts), batch_size):
             chunk = list(texts[start : start + batch_size])
             batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)

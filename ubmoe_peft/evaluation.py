@@ -2,9 +2,9 @@
 
 - `sts_spearman` is sentence-transformers' `EmbeddingSimilarityEvaluator` on our embedding wrapper.
 - `lm_loss` and `multiple_choice_accuracy` score continuations by their log-likelihood, as lm-evaluation-harness
-  does (``acc`` and byte-length normalised ``acc_norm``). They are written here because the harness evaluates its
-  own hub task definitions, while these take a user's local rows (chat ``messages``, ``prompt``/``completion``,
-  plain ``text`` or ``question``/``choices``/``label``) and run in a chosen UBMoE mode.
+  does (``acc``, and ``acc_norm``: divided by the choice's length in characters). They are written here because the
+  harness evaluates its own hub task definitions, while these take a user's local rows (chat ``messages``,
+  ``prompt``/``completion``, plain ``text`` or ``question``/``choices``/``label``) and run in a chosen UBMoE mode.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def sts_spearman(
             f"All {len(scores)} gold scores are {scores[0]}: a rank correlation with constant scores is undefined. "
             "Pass pairs with different gold scores."
         )
+    check_sizes(batch_size, max_length)
     st = to_sentence_transformer(model, tokenizer, pooling=pooling, prompt=prompt, max_length=max_length, mode=mode)
     evaluator = EmbeddingSimilarityEvaluator(
         list(sentences1),
@@ -75,11 +76,29 @@ def _check_texts(texts: Any, name: str) -> None:
             raise ValueError(f"{name}[{i}] is {text!r}: every entry must be a non-empty text.")
 
 
+def check_sizes(batch_size: Any, max_length: Any) -> None:
+    """Both positive integers (0 or less used to skip truncation, cut from the wrong end, or fail deep inside)."""
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a positive integer (texts per batch, tokens per text).")
+
+
+def _appended_eos(tokenizer: Any, text: str, ids: list[int]) -> bool:
+    """Whether ``ids`` (``tokenizer(text)``) ends with an end-of-text token the tokenizer appended, not one the text
+    itself spells."""
+    if not ids or ids[-1] != tokenizer.eos_token_id:
+        return False
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return len(ids) > len(plain) and ids[len(ids) - 1 - len(plain) : -1] == plain
+
+
 def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
     """One example -> (context ids, continuation ids); only the continuation is scored."""
     if isinstance(example, str):
         ids = tokenizer(example)["input_ids"]
         return ids[:1], ids[1:]
+    if not isinstance(example, dict):
+        raise TypeError(f"An example is {type(example).__name__} {example!r}: give a text or a row (a dict).")
     if "messages" in example:  # score the last (assistant) turn given the conversation before it
         messages = example["messages"]
         roles = [m.get("role") if isinstance(m, dict) else type(m).__name__ for m in messages or []]
@@ -114,7 +133,7 @@ def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[li
     if spaces:
         prompt, completion = prompt[:-spaces], prompt[-spaces:] + completion
     context = tokenizer(prompt)["input_ids"]
-    if len(context) > 1 and context[-1] == tokenizer.eos_token_id:
+    if len(context) > 1 and _appended_eos(tokenizer, prompt, context):  # not one the prompt ends with
         context = context[:-1]
     whole = tokenizer(prompt + completion)["input_ids"]
     if whole[: len(context)] == context:
@@ -194,12 +213,13 @@ def lm_loss(
         )
     if not examples:
         raise ValueError("lm_loss needs at least one example.")
+    check_sizes(batch_size, max_length)
     pairs = []
     for i, example in enumerate(examples):
         try:
             pairs.append(_pair(tokenizer, example))
-        except ValueError as err:  # name the example: the data can be thousands of rows
-            raise ValueError(f"Example {i} (counting from 0): {err}") from err
+        except (ValueError, TypeError) as err:  # name the example: the data can be thousands of rows
+            raise type(err)(f"Example {i} (counting from 0): {err}") from err
     empty = [i for i, (context, continuation) in enumerate(pairs) if not context and not continuation]
     if empty:
         raise ValueError(
@@ -222,9 +242,13 @@ def multiple_choice_accuracy(
     batch_size: int = 8,
     max_length: int = 512,
 ) -> dict[str, float]:
-    """Accuracy of picking the most likely choice (``accuracy``; ``accuracy_norm`` divides by the choice's length in
-    bytes, lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and the 0-based ``label``."""
-    pairs, spans, bytes_ = [], [], []
+    """Accuracy of picking the most likely choice (``accuracy``; ``accuracy_norm`` divides the log-likelihood by the
+    choice's length in characters, as lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and
+    the 0-based ``label``. As in the harness, each choice is scored as " " + choice without an end-of-text token a
+    tokenizer appends."""
+    check_sizes(batch_size, max_length)
+    appends_eos = _appended_eos(tokenizer, "a", tokenizer("a")["input_ids"])
+    pairs, spans, lengths = [], [], []
     for i, row in enumerate(rows):
         missing = {"question", "choices", "label"} - set(row)
         if missing:
@@ -239,18 +263,30 @@ def multiple_choice_accuracy(
                 f"Row {i}: label {label!r} is not a 0-based index of its {len(choices)} choices "
                 f"(0..{len(choices) - 1}); rows without a known answer cannot be scored."
             )
+        blank = [k for k, choice in enumerate(choices) if not isinstance(choice, str) or not choice.strip()]
+        if blank:  # an empty choice scores no token, log-likelihood 0: it would always win
+            raise ValueError(f"Row {i}: choice {blank[0]} is {choices[blank[0]]!r}; every choice must be a text.")
         context = f"Question: {row['question']}\nAnswer:"
         spans.append((len(pairs), len(choices), label))
-        for choice in row["choices"]:
-            pairs.append(_pair(tokenizer, {"prompt": context, "completion": f" {choice}"}))
-            bytes_.append(max(1, len(f" {choice}".encode())))
+        for choice in choices:
+            prompt_ids, choice_ids = _pair(tokenizer, {"prompt": context, "completion": f" {choice}"})
+            if appends_eos and choice_ids[-1:] == [tokenizer.eos_token_id]:
+                choice_ids = choice_ids[:-1]
+            pairs.append((prompt_ids, choice_ids))
+            lengths.append(len(choice))
     if not spans:
         raise ValueError("multiple_choice_accuracy needs at least one row.")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     right = right_norm = 0
-    for first, count, label in spans:
+    for row, (first, count, label) in enumerate(spans):
+        unscored = [k for k in range(count) if scored[first + k][1] == 0]
+        if unscored:
+            raise ValueError(
+                f"Row {row}: choice {unscored[0]} has no token left to score (it tokenizes to nothing, or "
+                f"max_length={max_length} cuts it); its log-likelihood 0 would always win. Raise max_length."
+            )
         sums = [scored[first + k][0] for k in range(count)]
-        norms = [s / bytes_[first + k] for k, s in enumerate(sums)]
+        norms = [s / lengths[first + k] for k, s in enumerate(sums)]
         right += max(range(count), key=sums.__getitem__) == label
         right_norm += max(range(count), key=norms.__getitem__) == label
     n = len(spans)
