@@ -24,7 +24,8 @@ from ...export import export_moe, saved_module
 from ...io import AdapterMismatchError
 from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
-from .layer import UBMoELayer, column_major, merge_unsupported, selected_projections
+from .layer import UBMoELayer, merge_unsupported, selected_projections
+from .lora import column_major
 from .state import ModeState
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
