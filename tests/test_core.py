@@ -673,6 +673,45 @@ def test_loading_onto_the_base_that_was_wrapped_gives_a_working_model(saved_in, 
         ubmoe_peft.set_mode(model, "uni")
 
 
+def test_a_kv_cache_continues_only_in_the_mode_that_filled_it():
+    """A cache filled in mode uni and continued in mode moe (or the other way round) mixed two models' states."""
+    model, _ = wrap()
+    perturb_adapters(model, std=0.2)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        for first, then in [("uni", "moe"), ("moe", "uni")]:
+            with ubmoe_peft.use_mode(model, first):
+                cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+            with ubmoe_peft.use_mode(model, then), pytest.raises(RuntimeError, match=f"filled in mode '{first}'"):
+                model(input_ids=ids[:, 5:], past_key_values=cache)
+        with model.disable_adapter():
+            cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        with pytest.raises(RuntimeError, match="filled in mode 'adapters disabled'"):
+            model(input_ids=ids[:, 5:], past_key_values=cache)
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values  # mode moe, continued in it: fine
+        step = model(input_ids=ids[:, 5:], past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(step, logits(model, ids, torch.ones_like(ids))[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_mode_bi_takes_a_bidirectional_4d_mask_and_names_a_causal_one():
+    """A user's 4D mask is used as given: one that encodes padding was refused with an error blaming transformers;
+    a causal one is refused as the caller's mask."""
+    model, _ = wrap()
+    perturb_adapters(model, std=0.2)
+    ids, mask = batch(padding="left")  # (B, T)
+    real = mask.bool()
+    visible = real[:, None, None, :] & real[:, None, :, None]  # (B, 1, T, T): real tokens see every real token
+    visible |= torch.eye(ids.shape[1], dtype=torch.bool)  # padding queries see themselves (no empty rows)
+    four_d = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
+    with ubmoe_peft.use_mode(model, "bi"):
+        torch.testing.assert_close(
+            logits(model, ids, four_d)[real], logits(model, ids, mask)[real], rtol=1e-5, atol=1e-5
+        )
+        causal = torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min).triu(1)[None, None]  # (1, 1, T, T)
+        with pytest.raises(ValueError, match="4D attention_mask passed in .* lets no token see a later one"):
+            logits(model, ids, causal.expand(ids.shape[0], 1, -1, -1))
+
+
 # ---- accelerate offloading -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expert", EXPERTS)
 def test_a_wrapped_model_offloaded_by_accelerate_computes_the_same(expert, tmp_path):

@@ -167,6 +167,7 @@ class UBMoEModel(BaseTuner):
     def _install_forward_hooks(self) -> None:
         backbone = getattr(self.model, "base_model", self.model)
         self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
+        self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone))
         layers = decoder_layers(self.model)
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
         attention = attention_module(layers[0][1]) if layers else None
@@ -176,10 +177,35 @@ class UBMoEModel(BaseTuner):
     def _attn_implementation(self) -> str | None:
         return getattr(text_config(self.model), "_attn_implementation", None)
 
+    def _cache_tag(self) -> tuple:
+        """What a KV cache filled now holds the states of: the mode (or the base model) and the adapter."""
+        state = self._ubmoe_state
+        return (state.mode if state.adapters_enabled else "adapters disabled", tuple(self.active_adapters))
+
+    def _after_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
+        cache = getattr(output, "past_key_values", None)
+        if cache is not None and getattr(cache, "_ubmoe_filled_in", None) is None:
+            try:
+                cache._ubmoe_filled_in = self._cache_tag()
+            except AttributeError:  # a cache type without attributes: unchecked
+                pass
+
     def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._ubmoe_state
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         state.begin_forward(mask if isinstance(mask, torch.Tensor) else None)
+        state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        filled_in = getattr(cache, "_ubmoe_filled_in", None)
+        if filled_in is not None and filled_in != self._cache_tag():
+            # A cache holds the keys and values of the mode that filled it; another mode would continue from them
+            # (logits off by about 0.1 on a tiny model, with no sign).
+            raise RuntimeError(
+                f"This KV cache was filled in mode {filled_in[0]!r} (adapter {list(filled_in[1])}), but this forward "
+                f"runs in {self._cache_tag()[0]!r} (adapter {list(self.active_adapters)}): decoding would continue "
+                "from another model's states. Continue in the mode that filled it, or run the whole text again in "
+                "this mode (without past_key_values)."
+            )
         if state.attention_hooked != (state.spec.ffn == "bi"):  # a mode change since the last forward
             state.attention_hooked = state.spec.ffn == "bi"
             for layer in self.model.modules():
@@ -201,6 +227,16 @@ class UBMoEModel(BaseTuner):
                 "hidden state. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass use_cache=False "
                 "to have the bidirectional model generate by encoding the whole text again at every step."
             )
+        if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
+            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B, 1|H, Q, K)
+            queries, keys = mask.shape[-2:]
+            later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)  # (Q, K)
+            if not bool((allowed & later).any()):
+                raise ValueError(
+                    f"Mode 'bi' attends bidirectionally, but the 4D attention_mask passed in ({tuple(mask.shape)}) "
+                    "lets no token see a later one (a causal or block-causal mask). Pass the 2D padding mask "
+                    "(transformers then builds a bidirectional one), or a 4D mask that lets tokens see later ones."
+                )
         kwargs["is_causal"] = False  # transformers >= 5.2 then builds a bidirectional (padding-only) mask
         # No KV cache either: mode bi's keys and values (bidirectional, bi experts) are no prefix for later tokens,
         # and a cache returned here could be passed on to decoding in another mode, which would continue from them.
@@ -210,7 +246,7 @@ class UBMoEModel(BaseTuner):
     def _check_bidirectional(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Fail loudly if a transformers release turned mode bi's attention causal again (seen in peer projects)."""
         state = self._ubmoe_state
-        if state.spec.causal or not state.adapters_enabled:
+        if state.spec.causal or not state.adapters_enabled or state.user_mask_4d:  # a user's 4D mask: checked above
             return
         mask = kwargs.get("attention_mask")
         if mask is None:

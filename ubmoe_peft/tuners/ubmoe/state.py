@@ -35,6 +35,7 @@ class ModeState:
         self.attention_hooked = False  # whether the layers' mode-bi attention adapters are hooked in (mode bi only)
         self.tallies: list[RoutingTally] = []  # open `track_routing` blocks, each summing every mode-moe forward
         self._tallied: dict | None = None  # the routing dict last added to them (each forward's is added once)
+        self.user_mask_4d = False  # whether the current forward was given a 4D attention mask (used as given)
         self.superseded = False  # a later PeftModel on the same base took the layers over (UBMoEModel._take_over)
 
     @property
