@@ -183,7 +183,10 @@ class UBMoEModel(BaseTuner):
         return (state.mode if state.adapters_enabled else "adapters disabled", tuple(self.active_adapters))
 
     def _after_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
-        cache = getattr(output, "past_key_values", None)
+        # The plain dict lookup: transformers 5 names it `cache` and warns on any access by the older name
+        if not isinstance(output, dict):
+            return
+        cache = dict.get(output, "cache", dict.get(output, "past_key_values"))
         if cache is not None and getattr(cache, "_ubmoe_filled_in", None) is None:
             try:
                 cache._ubmoe_filled_in = self._cache_tag()
