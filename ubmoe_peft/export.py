@@ -163,11 +163,12 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     return exported.eval()
 
 
-def saved_module(wrapper: nn.Module, adapter: str) -> nn.Module:
+def saved_module(wrapper: nn.Module, adapter: str | None) -> nn.Module:
     """What a PEFT ``modules_to_save`` wrapper stands for under ``adapter``: that adapter's trained copy, or the
-    original module where the adapter has none. PEFT's own unload returns the active adapter's copy, whichever
-    adapter is being merged."""
+    original module where the adapter has none. PEFT's own unload (``adapter`` None, and other kinds of wrapper)
+    returns the active adapter's copy, whichever adapter is being merged."""
     copies = getattr(wrapper, "modules_to_save", None)
-    if not isinstance(copies, nn.ModuleDict):  # another kind of PEFT wrapper: its own unload
-        return wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=[adapter])
+    if adapter is None or not isinstance(copies, nn.ModuleDict):
+        names = None if adapter is None else [adapter]
+        return wrapper.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=names)
     return copies[adapter] if adapter in copies else wrapper.original_module

@@ -25,6 +25,7 @@ from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
 
 try:
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.base.model import BaseModel
     from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from trl import SFTConfig, SFTTrainer
@@ -63,7 +64,7 @@ def _check_loss_model(loss: Any, model: nn.Module) -> None:
             continue
         for child in item.modules():
             other = getattr(child, "model", None)
-            if isinstance(other, nn.Module) and hasattr(other, "encode") and other is not model:
+            if isinstance(other, BaseModel) and other is not model:  # the field sentence-transformers repoints
                 raise ValueError(
                     f"The loss {type(item).__name__} was built on another SentenceTransformer than the one "
                     "ContrastiveTrainer trains (made from ContrastiveConfig's pooling, prompt and max_length, as "

@@ -231,7 +231,7 @@ class UBMoEModel(BaseTuner):
                 "to have the bidirectional model generate by encoding the whole text again at every step."
             )
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
-            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B, 1|H, Q, K)
+            allowed = _allowed(mask)  # (B, 1|H, Q, K)
             queries, keys = mask.shape[-2:]
             later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)  # (Q, K)
             if not bool((allowed & later).any()):
@@ -258,7 +258,7 @@ class UBMoEModel(BaseTuner):
             return
         if mask.dim() != 4 or mask.shape[-2] < 2:
             return
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # (B, 1|H, Q, K)
+        allowed = _allowed(mask)  # (B, 1|H, Q, K)
         real = state.token_mask
         if real is None or real.shape != (mask.shape[0], mask.shape[-1]):
             real = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)  # (B, K)
@@ -357,10 +357,7 @@ class UBMoEModel(BaseTuner):
                 module.remove_attention_hooks()
                 new = replacement(module)
             elif hasattr(module, "unload_and_optionally_merge_module"):  # PEFT's modules_to_save wrapper
-                if adapter is None:
-                    new = module.unload_and_optionally_merge_module(merge=False, safe_merge=False, adapter_names=None)
-                else:
-                    new = saved_module(module, adapter)
+                new = saved_module(module, adapter)
             else:
                 continue
             parent_name, _, child = name.rpartition(".")
@@ -373,6 +370,11 @@ class UBMoEModel(BaseTuner):
             if head.weight is not self.model.get_input_embeddings().weight:  # a trained copy of one of them
                 config.tie_word_embeddings = False  # else a reload would tie them again (and warn)
         return self.model
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    """Which query-key pairs a 4D attention mask (bool, or additive float) lets attend: (B, 1|H, Q, K) bool."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:
