@@ -669,8 +669,17 @@ def test_loading_onto_the_base_that_was_wrapped_gives_a_working_model(saved_in, 
     torch.testing.assert_close(logits_per_mode(loaded, ids, mask), expected, rtol=1e-5, atol=1e-5)
     with ubmoe_peft.use_mode(loaded, "uni"):
         torch.testing.assert_close(logits(loaded, ids, mask), logits(reference, ids, mask), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="base was wrapped again .*Use the model that call returned"):
-        ubmoe_peft.set_mode(model, "uni")
+    for use_old in (lambda: ubmoe_peft.set_mode(model, "uni"), lambda: model(ids), lambda: model.generate(ids)):
+        with pytest.raises(ValueError, match="base was wrapped again .*Use the model that call returned"):
+            use_old()  # the old model would run in the new one's mode
+
+
+def test_a_mixed_adapter_batch_is_refused():
+    """PEFT's ``adapter_names=`` (one adapter per row) was dropped by PeftModel: every row ran the active adapter."""
+    for task_type in (None, "CAUSAL_LM"):
+        model = get_peft_model(tiny_model("llama"), UBMoEConfig(task_type=task_type))
+        with pytest.raises(ValueError, match=r"adapter_names=\['default', 'other'\].*one adapter per forward"):
+            model(torch.tensor([[5, 6], [7, 8]]), adapter_names=["default", "other"])
 
 
 def test_a_kv_cache_continues_only_in_the_mode_that_filled_it():
@@ -961,3 +970,10 @@ def test_routing_stats_count_only_real_tokens():
     expected = float((to_bi * mask).sum() / mask.sum())
     assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(expected)
     assert expected != pytest.approx(float(to_bi.mean()))  # the pads would have changed the share
+    # The same padding as a 4D mask (used as given): the pads, keys no query attends to, were counted too.
+    real = mask.bool()
+    causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()  # (T, T)
+    visible = causal & real[:, None, None, :] & real[:, None, :, None]  # (B, 1, T, T); padding rows see nothing
+    for four_d in (visible, torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)):
+        logits(model, ids, four_d)
+        assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(expected)

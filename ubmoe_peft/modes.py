@@ -10,7 +10,7 @@ from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
 from .tuners.ubmoe.layer import UBMoELayer
-from .tuners.ubmoe.state import MODES, ModeState, RoutingTally
+from .tuners.ubmoe.state import MODES, ModeState, RoutingTally, superseded_error
 
 STAGES = {"contrastive": "bi", "router": "moe"}
 
@@ -23,10 +23,7 @@ def ubmoe_layers(model: nn.Module) -> list[UBMoELayer]:
 def _state(model: nn.Module) -> ModeState:
     state = getattr(getattr(model, "base_model", None), "_ubmoe_state", None) or getattr(model, "_ubmoe_state", None)
     if state is not None and state.superseded:
-        raise ValueError(
-            "This model's base was wrapped again (get_peft_model or PeftModel.from_pretrained on the same base object "
-            "change it in place), and its UBMoE layers now follow the newer model. Use the model that call returned."
-        )
+        raise superseded_error()
     if state is not None:
         return state
     layers = ubmoe_layers(model)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ from .bnb import prepare_quantized_base
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported, selected_projections
 from .lora import column_major
-from .state import ModeState
+from .state import ModeState, allowed_pairs, superseded_error
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -231,7 +233,7 @@ class UBMoEModel(BaseTuner):
                 "to have the bidirectional model generate by encoding the whole text again at every step."
             )
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
-            allowed = _allowed(mask)  # (B, 1|H, Q, K)
+            allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
             queries, keys = mask.shape[-2:]
             later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)  # (Q, K)
             if not bool((allowed & later).any()):
@@ -258,7 +260,7 @@ class UBMoEModel(BaseTuner):
             return
         if mask.dim() != 4 or mask.shape[-2] < 2:
             return
-        allowed = _allowed(mask)  # (B, 1|H, Q, K)
+        allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
         real = state.token_mask
         if real is None or real.shape != (mask.shape[0], mask.shape[-1]):
             real = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)  # (B, K)
@@ -272,8 +274,27 @@ class UBMoEModel(BaseTuner):
         if bool((after_first.any(dim=1) & ~sees).any()):
             raise _causal_error(self.model, self._attn_implementation())
 
-    # ---- generation, unload -------------------------------------------------------------------------------------
+    # ---- forward, generation, unload ----------------------------------------------------------------------------
+    @contextmanager
+    def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        """PEFT's per-call hook point: PeftModel (every task type) enters it around each forward and generate call,
+        also those that call the base model directly, bypassing this tuner's own forward."""
+        if self._ubmoe_state.superseded:  # the layers follow a newer model: this one would run in that one's mode
+            raise superseded_error()
+        if kwargs.get("adapter_names") is not None:  # PeftModel would drop it and run the active adapter on every row
+            raise ValueError(
+                f"adapter_names={kwargs['adapter_names']!r}: UBMoE runs one adapter per forward, not one per batch "
+                "row (PEFT's mixed-adapter batches). Run each adapter's rows separately, after model.set_adapter(name)."
+            )
+        yield
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._enable_peft_forward_hooks(**kwargs):
+            return super().forward(*args, **kwargs)
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ubmoe_state.superseded:
+            raise superseded_error()
         bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
         if bidirectional and kwargs.get("use_cache") is not False:
             raise RuntimeError(
@@ -370,11 +391,6 @@ class UBMoEModel(BaseTuner):
             if head.weight is not self.model.get_input_embeddings().weight:  # a trained copy of one of them
                 config.tie_word_embeddings = False  # else a reload would tie them again (and warn)
         return self.model
-
-
-def _allowed(mask: torch.Tensor) -> torch.Tensor:
-    """Which query-key pairs a 4D attention mask (bool, or additive float) lets attend: (B, 1|H, Q, K) bool."""
-    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:

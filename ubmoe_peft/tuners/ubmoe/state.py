@@ -23,6 +23,19 @@ MODES: dict[str, ModeSpec] = {
 }
 
 
+def allowed_pairs(mask: torch.Tensor) -> torch.Tensor:
+    """Which query-key pairs a 4D attention mask (bool, or additive float) lets attend: (B, 1|H, Q, K) bool."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def superseded_error() -> ValueError:
+    """Raised by a model whose layers a later PeftModel on the same base took over (`UBMoEModel._take_over`)."""
+    return ValueError(
+        "This model's base was wrapped again (get_peft_model or PeftModel.from_pretrained on the same base object "
+        "change it in place), and its UBMoE layers now follow the newer model. Use the model that call returned."
+    )
+
+
 class ModeState:
     """Mode and routing statistics of one wrapped model; every UBMoE layer of that model holds the same object."""
 
@@ -44,6 +57,9 @@ class ModeState:
 
     def begin_forward(self, attention_mask: torch.Tensor | None) -> None:
         self.tally()  # the previous forward's routing, before it is replaced
+        if attention_mask is not None and attention_mask.dim() == 4:
+            # A 4D mask (used as given): the real keys are those some query may attend to; a padding key none.
+            attention_mask = allowed_pairs(attention_mask).any(dim=-2)[:, 0]  # (B, K)
         self.token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
