@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, UBMoELayer
 from ubmoe_peft.tuners.ubmoe import layer as layer_module
+from ubmoe_peft.tuners.ubmoe import lora as lora_module
 from ubmoe_peft.tuners.ubmoe.layer import _gated_mlp_forward
 
 MODES = ["uni", "bi", "moe"]
@@ -409,9 +410,9 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert, monkey
     layer = layers(model)[0]
     x = torch.randn(2, 3, 32)  # (B, T, C)
     router = layer.ubmoe_router["default"].weight  # (2, C)
-    taken = []  # written-out FFN runs per layer call
-    original = layer_module._gated_mlp_forward
-    monkeypatch.setattr(layer_module, "_gated_mlp_forward", lambda *args: taken.append(1) or original(*args))
+    taken = []  # written-out FFN runs per layer call (the general path's and the planned path's, decode.py)
+    original = lora_module._gated_mlp_math
+    monkeypatch.setattr(lora_module, "_gated_mlp_math", lambda *args: taken.append(1) or original(*args))
     with torch.no_grad():
         direction = router[1] - router[0]  # (C,)
         signs = torch.sign(x @ direction)  # (B, T), routed to bi where positive
@@ -434,6 +435,93 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert, monkey
                 assert torch.equal(out, (expert_ffn if route > 0 else layer.base_layer)(inputs))
             else:
                 torch.testing.assert_close(out, expert_ffn(inputs), rtol=1e-5, atol=1e-6)
+
+
+def _planned_and_general(layer: UBMoELayer, x: torch.Tensor, monkeypatch) -> tuple:
+    """The layer's output at inference through its decode plan (when it applies) and through the general path."""
+    with torch.no_grad():
+        planned = layer(x)
+        with monkeypatch.context() as patch:
+            patch.setattr(layer_module, "planned_moe", lambda *args: None)
+            general = layer(x)
+    return planned, general
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 2 * weight
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_the_decode_plan_follows_every_change_to_the_layer(expert, monkeypatch):
+    """Decode steps run through a plan made once per layer and adapter (decode.py). Whatever changes after it is made
+    - weights in place or replaced, a module swapped, hooked, parametrized or given another forward, the mode,
+    the adapter, an adapter made again under the same name - the layer computes what the general path computes,
+    bit for bit, and the plan is used wherever nothing forbids it."""
+    from ubmoe_peft.tuners.ubmoe.decode import planned_moe
+
+    model, _ = wrap("llama", expert, lora_dropout=0.1)
+    perturb_adapters(model, std=0.2)
+    layer = layers(model)[0]
+    ffn = layer.base_layer
+    x = torch.randn(4, 1, 32)  # (B, 1, C): a decode step of four sequences
+    outputs = []
+
+    def check(planned_applies: bool = True, changed: bool = True) -> None:
+        with torch.no_grad():
+            assert (planned_moe(layer, x) is not None) == planned_applies
+        planned, general = _planned_and_general(layer, x, monkeypatch)
+        assert torch.equal(planned, general)
+        assert changed != any(torch.equal(planned, earlier) for earlier in outputs)  # the change changed the output
+        outputs.append(planned)
+
+    check()
+    shares = ubmoe_peft.routing_stats(model)[0]
+    assert 0 < shares < 1  # the tokens go to both experts
+    with torch.no_grad():
+        expert_weight = next(iter(layer.expert_parameters("default")))
+        expert_weight.mul_(1.5)  # in place
+    check()
+    ffn.gate_proj.weight = torch.nn.Parameter(ffn.gate_proj.weight * 0.5)  # a new parameter object
+    check()
+    ffn.up_proj = torch.nn.Linear(32, ffn.up_proj.out_features, bias=False)  # a new module
+    check()
+    handle = ffn.down_proj.register_forward_hook(lambda module, args, out: out * 3)
+    check(planned_applies=False)
+    handle.remove()
+    ffn.act_fn.forward = torch.relu  # a forward replaced on the instance
+    check(planned_applies=False)
+    del ffn.act_fn.forward
+    torch.nn.utils.parametrize.register_parametrization(ffn.gate_proj, "weight", _Doubled())
+    check(planned_applies=False)
+    torch.nn.utils.parametrize.remove_parametrizations(ffn.gate_proj, "weight")  # the weight stays doubled
+    check(changed=False)
+    with ubmoe_peft.use_mode(model, "uni"):
+        check(planned_applies=False)
+    with model.disable_adapter():
+        planned, general = _planned_and_general(layer, x, monkeypatch)
+        assert torch.equal(planned, general) and torch.equal(planned, outputs[-1])
+    model.add_adapter("other", UBMoEConfig(expert_type=expert))
+    model.set_adapter("other")
+    perturb_adapters(model, std=0.3, seed=2)
+    model.eval()
+    check()
+    model.delete_adapter("other")
+    model.add_adapter("other", UBMoEConfig(expert_type=expert, r=4))  # the same name again: new weights and shapes
+    model.set_adapter("other")
+    perturb_adapters(model, std=0.3, seed=3)
+    model.eval()
+    check()
+    model.double()
+    x = x.double()
+    check()
+    if expert == "lora":
+        model.train()  # the LoRA dropout of a trainable expert applies (also without a graph): the hook path
+        with torch.no_grad():
+            assert planned_moe(layer, x) is None
+        layer.requires_grad_(False)  # a frozen expert runs without dropout, as at inference
+        with torch.no_grad():
+            assert planned_moe(layer, x) is not None
 
 
 @pytest.mark.parametrize("tokens", [9, 80])  # decided on the host (<= 64 tokens), on the device

@@ -19,7 +19,9 @@ projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni 
 keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base FFN's,
 and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs only on
 its rows. At inference, Llama-style gated MLPs run written out instead of through modules and hooks
-(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step.
+(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step. At decode sizes top-1
+mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same outputs, with the
+lookups and hook checks of every call done once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from ...architectures import ATTENTION_NAMES, linear_projections
 from .bnb import is_quantized_linear, make_dense_copy
 from .config import UBMoEConfig
+from .decode import DecodePlan, planned_moe
 from .lora import (
     _dropout_while_trained,
     _gated_mlp_forward,
@@ -99,11 +102,13 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self.layer_idx = layer_idx
         self.hidden_size = hidden_size
         self._gated_mlp = _is_gated_mlp(base_layer)  # `_gated_mlp_forward` may apply (a copy is of the same class)
+        self._plans: dict[str, DecodePlan] = {}  # per adapter, for `planned_moe` (decode steps)
         self.update_layer(adapter_name, config)
 
     # ---- construction -------------------------------------------------------------------------------------------
     def update_layer(self, adapter_name: str, config: UBMoEConfig) -> None:
         """Add adapter ``adapter_name``: a bi expert (LoRA deltas or an FFN copy) and a zero-initialised router."""
+        self._plans.pop(adapter_name, None)
         ref = next(self.base_layer.parameters())
         device = ref.device
         if config.expert_type == "lora":
@@ -208,6 +213,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         return present[0] if present else None
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not args and not kwargs and not torch.is_grad_enabled() and x.shape[:-1].numel() <= HOST_ROUTING_TOKENS:
+            out = planned_moe(self, x)  # decode steps: the same outputs with less Python per call (decode.py)
+            if out is not None:
+                return out
         adapter = self._current_adapter()
         ffn = self._state.spec.ffn
         if adapter is None or ffn == "uni":

@@ -138,19 +138,43 @@ def _gated_mlp_forward(
     if not isinstance(act, nn.Module) or _intercepted(ffn, gate, up, down, act):
         return None
     flat = x.reshape(-1, x.shape[-1])  # (N, C)
-    if lora is None:  # the original FFN: straight-line, every Python call here costs per layer and decode step
-        hidden = act.forward(F.linear(flat, gate.weight, gate.bias)) * F.linear(flat, up.weight, up.bias)  # (N, I)
-        return F.linear(hidden, down.weight, down.bias).view(*x.shape[:-1], -1)  # (B, T, C)
+    if lora is None:
+        return _gated_mlp_math((gate, up, down, act), flat).view(*x.shape[:-1], -1)  # (B, T, C)
     lora_a, lora_b, scale = lora
+    deltas = tuple((lora_a[name].weight, lora_b[name].weight) if name in lora_a else None for name in GATED_PROJECTIONS)
+    return _gated_mlp_math((gate, up, down, act), flat, deltas, scale).view(*x.shape[:-1], -1)  # (B, T, C)
 
-    def project(proj: nn.Linear, name: str, inputs: torch.Tensor) -> torch.Tensor:
-        out = F.linear(inputs, proj.weight, proj.bias)  # (N, C_out)
-        if name in lora_a:
-            out = _add_lora(out, inputs, lora_a[name].weight, lora_b[name].weight, scale)  # (N, C_out)
-        return out
 
-    hidden = act.forward(project(gate, "gate_proj", flat)) * project(up, "up_proj", flat)  # (N, I)
-    return project(down, "down_proj", hidden).view(*x.shape[:-1], -1)  # (B, T, C)
+GATED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _gated_mlp_math(
+    parts: tuple[nn.Linear, nn.Linear, nn.Linear, nn.Module],
+    flat: torch.Tensor,
+    deltas: tuple | None = None,
+    scale: float | torch.Tensor = 0.0,
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` on rows ``flat`` (N, C), from ``parts`` = (gate, up, down, act) that are plain
+    linears (their weights are read from ``_parameters``, without ``Module.__getattr__``). ``deltas``: one
+    (A weight, B weight) LoRA pair or None per projection of `GATED_PROJECTIONS`, added by `_add_lora` at ``scale``.
+    Straight-line code: it runs per layer and decode step."""
+    gate, up, down, act = parts
+    gate_p, up_p, down_p = gate._parameters, up._parameters, down._parameters
+    if deltas is None:  # the original FFN
+        hidden = act.forward(F.linear(flat, gate_p["weight"], gate_p["bias"])) * F.linear(
+            flat, up_p["weight"], up_p["bias"]
+        )  # (N, I)
+        return F.linear(hidden, down_p["weight"], down_p["bias"])  # (N, C)
+    on_gate, on_up, on_down = deltas
+    g = F.linear(flat, gate_p["weight"], gate_p["bias"])  # (N, I)
+    if on_gate is not None:
+        g = _add_lora(g, flat, on_gate[0], on_gate[1], scale)
+    u = F.linear(flat, up_p["weight"], up_p["bias"])  # (N, I)
+    if on_up is not None:
+        u = _add_lora(u, flat, on_up[0], on_up[1], scale)
+    hidden = act.forward(g) * u  # (N, I)
+    out = F.linear(hidden, down_p["weight"], down_p["bias"])  # (N, C)
+    return out if on_down is None else _add_lora(out, hidden, on_down[0], on_down[1], scale)
 
 
 def _intercepted(*modules: nn.Module) -> bool:
