@@ -293,17 +293,16 @@ class UBMoEModel(BaseTuner):
             return super().forward(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        if self._ubmoe_state.superseded:
-            raise superseded_error()
-        bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
-        if bidirectional and kwargs.get("use_cache") is not False:
-            raise RuntimeError(
-                "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
-                "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass "
-                "use_cache=False to have the bidirectional model generate by encoding the whole text again at every "
-                "step (slow; how a bidirectional model's own generation is measured)."
-            )
-        return self.model.generate(*args, **kwargs)
+        with self._enable_peft_forward_hooks(**kwargs):  # the same per-call checks as a forward
+            bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
+            if bidirectional and kwargs.get("use_cache") is not False:
+                raise RuntimeError(
+                    "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
+                    "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass "
+                    "use_cache=False to have the bidirectional model generate by encoding the whole text again at "
+                    "every step (slow; how a bidirectional model's own generation is measured)."
+                )
+            return self.model.generate(*args, **kwargs)
 
     def merge_and_unload(
         self,
