@@ -45,11 +45,25 @@ from torch import nn
 from transformers import StoppingCriteria
 
 import ubmoe_peft
+from ubmoe_peft.tuners.ubmoe import layer as layer_module
 
 TARGET = 0.95
 CONTROL = "base, second copy (A/A control)"
 COPY_ZERO = "copy, routers zeroed (control)"
 COPY_CLONED, COPY_ALIASED = "copy, bi = base FFN cloned (control)", "copy, bi = base FFN aliased (control)"
+GENERAL = "lora, general path (control)"
+
+
+def general_path_control(model: nn.Module) -> nn.Module:
+    """A copy of a LoRA model whose layers never take the decode plan (``--plan-control``): the same outputs through
+    the general path of `layer.py`, so the plan's gain is measured in the same run. The library has no switch for
+    this (the plan is always right where it applies), so the benchmark wraps the function the layers call; the other
+    models pay one extra Python call and set lookup per layer, well under a microsecond."""
+    twin = copy.deepcopy(model)
+    general = {id(layer) for layer in ubmoe_peft.modes.ubmoe_layers(twin)}
+    planned = layer_module.planned_moe
+    layer_module.planned_moe = lambda layer, x: None if id(layer) in general else planned(layer, x)
+    return twin
 
 
 def decode_share(model: nn.Module, generate: Any) -> dict[str, float]:
@@ -245,6 +259,12 @@ def main() -> None:
         "weights, cloned and aliased (informational rows): takes the routing cost, the second FFN pass and the "
         "second set of weights apart",
     )
+    parser.add_argument(
+        "--plan-control",
+        action="store_true",
+        help="also time the LoRA model with the decode plan off (every layer on the general path; informational): "
+        "the plan's gain, measured in the same run",
+    )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     models = real_models(args.adapters, args.device) if args.adapters else random_models(args)
@@ -255,7 +275,12 @@ def main() -> None:
         if copy_model is None:
             parser.error("--copy-controls needs a copy-expert model: pass a copy adapter in --adapters")
         models.update(copy_controls(copy_model))
-    informational = (CONTROL, COPY_ZERO, COPY_CLONED, COPY_ALIASED)
+    if args.plan_control:
+        lora_model = next((m for name, m in models.items() if name.startswith("lora")), None)
+        if lora_model is None:
+            parser.error("--plan-control needs a LoRA-expert model: pass a LoRA adapter in --adapters")
+        models[GENERAL] = general_path_control(lora_model)
+    informational = (CONTROL, COPY_ZERO, COPY_CLONED, COPY_ALIASED, GENERAL)
 
     rows = []
     for batch in args.batches:
@@ -284,6 +309,10 @@ def main() -> None:
             return out
 
         shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k not in ("base", CONTROL)}
+        if GENERAL in models:  # the plan changes how, never what: the same tokens on both paths
+            lora_model = next(m for name, m in models.items() if name.startswith("lora"))
+            if not torch.equal(generate(lora_model), generate(models[GENERAL])):
+                raise RuntimeError("the LoRA model generated other tokens with the decode plan than without it")
         calls = {kind: lambda criteria, m=model: generate(m, criteria) for kind, model in models.items()}
         timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import WORDS, batch, perturb_adapters, tiny_model, w
-from peft import PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig
-from ubmoe_peft.cli import run
+from ubmoe_peft.cli import ModelArgs, _next, run
 
 FAST = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
 
@@ -68,8 +69,8 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
 
     hints = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
     assert hints == [  # commands to copy, with the base they were trained on
-        f"ubmoe train-router --model {files['model']} --adapter {stage1}",
-        f"ubmoe export --model {files['model']} --adapter {stage2}",
+        f"ubmoe train-router --model {files['model']} --device cpu --adapter {stage1}",
+        f"ubmoe export --model {files['model']} --device cpu --adapter {stage2}",
     ]
     base = AutoModelForCausalLM.from_pretrained(files["model"]).eval()
     trained = PeftModel.from_pretrained(base, stage2).eval()
@@ -145,7 +146,7 @@ def test_data_from_a_saved_dataset_folder_and_split_slices_of_a_file(files, tmp_
         load_rows(files["sts"], "sts", split="validation")  # was: the whole file, read as if it were that split
 
 
-def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer):
+def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer, monkeypatch):
     adapter = str(tmp_path / "adapter")
     wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig())
     perturb_adapters(wrapped)
@@ -153,9 +154,13 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
     used = tmp_path / "used"
     used.mkdir()
     (used / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not an empty folder; choose a new output folder"):
+    with pytest.raises(FileExistsError, match="not an empty folder .*; choose a new output folder"):
         run(["export", "--model", files["model"], "--adapter", adapter, "--output_dir", str(used)])
     assert [p.name for p in used.iterdir()] == ["notes.txt"]
+    monkeypatch.setattr(ubmoe_peft.cli, "load_model", None)  # checked before the model is loaded and merged
+    with pytest.raises(FileExistsError, match="not an empty folder .*; choose a new output folder"):
+        run(["export", "--model", files["model"], "--adapter", adapter, "--output_dir", str(used)])
+    monkeypatch.undo()
 
     # a failing export leaves no folder behind (bi merge of a NaN expert with --safe_merge)
     nan_adapter = str(tmp_path / "nan")
@@ -180,6 +185,8 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-lm", "--data", "{texts}", "--modes", "bi"], ValueError, "mode 'bi' are meaningless"),
         (["eval-lm", "--data", "{texts}", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
         (["eval-sts", "--data", "{sts}", "--dtype", "int8"], ValueError, "--dtype 'int8' is not one of"),
+        (["export", "--adapter", "a", "--output_dir", "x", "--target", "dense"], ValueError, "'dense' is not an"),
+        (["export", "--adapter", "{lora}", "--output_dir", "x"], ValueError, "is a LORA adapter, not a UBMoE one"),
         (["eval-sts", "--data", "{model}/config.json.bak"], ValueError, "suffix '.bak'"),
         (
             ["train-contrastive", "--data", "{sts}"],
@@ -224,7 +231,9 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "no_user.jsonl").write_text(json.dumps(no_user) + "\n")
     blank_turn = {"messages": [{"role": "user", "content": w(3)}, {"role": "assistant", "content": " "}]}
     (bad / "blank_turn.jsonl").write_text(json.dumps(blank_turn) + "\n")
-    argv = [a.format(bad=bad, **files) for a in argv]
+    lora = get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"]))
+    lora.save_pretrained(bad / "lora")
+    argv = [a.format(bad=bad, lora=bad / "lora", **files) for a in argv]
     with pytest.raises(error, match=message):
         run([argv[0], "--model", files["model"], *argv[1:]])
 
@@ -247,6 +256,14 @@ def test_a_wrong_model_folder_is_named_with_the_fix(files, tmp_path):
         run([*sts, "--model", files["model"]])
     with pytest.raises(ValueError, match="'no-such-model' is not a local folder .* Pass a model folder"):
         run([*sts, "--model", "no-such-model"])
+
+
+def test_the_next_command_keeps_the_model_options():
+    saved = SimpleNamespace(output_dir="out dir")
+    assert _next(ModelArgs(), "train-router", saved) == "ubmoe train-router --adapter 'out dir'"
+    given = ModelArgs(model="/models/q", gguf_file="q4.gguf", dtype="bfloat16", device="cpu")
+    expected = "ubmoe export --model /models/q --gguf_file q4.gguf --dtype bfloat16 --device cpu --adapter 'out dir'"
+    assert _next(given, "export", saved) == expected
 
 
 def test_blank_lines_of_a_text_file_are_not_texts(files, tmp_path):

@@ -89,6 +89,20 @@ def test_a_max_length_passed_to_preprocess_wins(tokenizer):
     assert st[0].preprocess([w(*range(5, 17))])["input_ids"].shape == (1, 12)
     with pytest.raises(ValueError, match="max_length=-1"):
         st[0].preprocess([w(5)], max_length=-1)
+    with pytest.raises(ValueError, match="max_length=0: give the longest input"):  # was read as unset: 512
+        st[0].preprocess([w(*range(5, 17))], max_length=0)
+    assert st[0].preprocess([w(*range(5, 17))], max_length=None)["input_ids"].shape == (1, 12)
+
+
+def test_truncation_pads_to_max_length_and_refuses_a_max_length_the_template_cannot_fit(tokenizer):
+    st = to_sentence_transformer(_wrapped(), tokenizer, pooling="lasttoken", prompt=w(100) + " {text} " + w(101, 102))
+    st.max_seq_length = 6
+    options = {"text": {"padding": "max_length"}}  # the re-pad after keeping the template's end lost max_length
+    features = st[0].preprocess([w(*range(5, 13)), w(5)], processing_kwargs=options)
+    assert features["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 101, 102, 0, 0]]
+    st.max_seq_length = 2  # the template's 2 tokens after {text} fill it: the row came back whole, 11 tokens
+    with pytest.raises(ValueError, match=r"max_length=2 cannot hold the end of prompt=.*the 2 tokens after '\{text\}'"):
+        st[0].preprocess([w(*range(5, 13))])
 
 
 def _counted(tokenizer, calls, *args, **kwargs):
@@ -129,6 +143,49 @@ def test_training_the_sentence_transformer_trains_the_experts(tokenizer):
     optimizer.step()
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert moved and all("ubmoe_lora_" in n for n in moved)
+
+
+def _checkpointed_grads(model, tokenizer, **checkpointing):
+    """Gradients of one in-batch-negatives step through the SentenceTransformer; with ``checkpointing`` kwargs, under
+    gradient checkpointing."""
+    model.train()
+    if checkpointing:
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    st = to_sentence_transformer(model, tokenizer)
+    st.train()
+    # Two batches of one width and different padding: the recompute of the first ran the mode-bi mask check against
+    # the second's padding (a false "attention is causal" error).
+    anchors, positives = [w(5, 6), w(7, 8, 9), w(10)], [w(5, 6, 11), w(7, 8), w(10, 12)]
+    loss = losses.MultipleNegativesRankingLoss(st)([st[0].preprocess(anchors), st[0].preprocess(positives)], None)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_needs_the_model_in_the_embedding_mode(tokenizer, reentrant):
+    """Checkpointing recomputes the layers during backward, after the encoder has restored the model's mode: a model
+    left in mode moe crashed (non-reentrant) or got gradients of the wrong mode (reentrant)."""
+    with pytest.raises(ValueError, match=r"in mode 'moe'.*Call ubmoe_peft.set_stage\(model, 'contrastive'\)"):
+        _checkpointed_grads(_wrapped(), tokenizer, use_reentrant=reentrant)
+    expected = _checkpointed_grads(_wrapped(), tokenizer)
+    model = _wrapped()
+    ubmoe_peft.set_stage(model, "contrastive")
+    got = _checkpointed_grads(model, tokenizer, use_reentrant=reentrant)
+    assert set(got) == set(expected) and all("ubmoe_lora_" in n for n in got)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_set_stage_on_the_sentence_transformer_stages_its_model(tokenizer):
+    """A SentenceTransformer's `active_adapter` is a method (transformers' PEFT mixin): set_stage read it as the
+    adapter's name."""
+    for stage, mode in [("contrastive", "bi"), ("router", "moe")]:
+        model, reference = _wrapped(), _wrapped()
+        ubmoe_peft.set_stage(to_sentence_transformer(model, tokenizer), stage)
+        ubmoe_peft.set_stage(reference, stage)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable and trainable == {n for n, p in reference.named_parameters() if p.requires_grad}
+        assert ubmoe_peft.get_mode(model) == mode
 
 
 def test_unwrapped_model_is_refused(tokenizer):

@@ -212,3 +212,69 @@ def test_track_routing_counts_every_batch_not_only_the_last(model, tokenizer):
     with ubmoe_peft.track_routing(model) as none:  # modes uni and bi route nothing; the forwards before do not count
         lm_loss(model, tokenizer, texts, mode="uni")
     assert none.shares() is None and none.mean() is None
+
+
+def test_conversational_prompt_completion_is_scored_as_the_chat(model, tokenizer):
+    """TRL's conversational rows ({"prompt": [turns], "completion": [turns]}), which RouterTrainer trains on, crashed
+    with an AttributeError; every completion turn is scored."""
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    user, reply = {"role": "user", "content": w(5, 6)}, {"role": "assistant", "content": w(7, 8)}
+    pair = lm_loss(model, tokenizer, [{"prompt": [user], "completion": [reply]}], mode="uni")
+    assert pair == lm_loss(model, tokenizer, [{"messages": [user, reply]}], mode="uni") and pair["tokens"] == 2
+    more = {"role": "assistant", "content": w(9)}
+    assert lm_loss(model, tokenizer, [{"prompt": [user], "completion": [reply, more]}])["tokens"] == 3
+    bad = [({"prompt": w(5), "completion": None}, "'completion' is NoneType None"), ({"text": 3}, "'text' is int 3")]
+    for row, message in bad:
+        with pytest.raises(TypeError, match=rf"Example 1 \(counting from 0\): Its {message}; give"):
+            lm_loss(model, tokenizer, [w(5, 6), row])
+
+
+def test_numpy_and_tensor_scores_and_labels_are_numbers(model, tokenizer):
+    import numpy as np
+
+    s1, s2, gold = [w(5, 6), w(7, 8), w(9)], [w(5), w(8), w(10)], [1.0, 3.0, 5.0]
+    expected = sts_spearman(model, tokenizer, s1, s2, gold)
+    for scores in ([np.int64(1), np.int64(3), np.int64(5)], np.array(gold, dtype=np.float32), torch.tensor(gold)):
+        assert sts_spearman(model, tokenizer, s1, s2, list(scores)) == expected
+    for scores, message in [
+        (["1.0", "3.0", "5.0"], r"STS score 0 \(counting from 0\) is '1.0' \(str\); gold scores must be numbers"),
+        ([1.0, float("nan"), 5.0], r"STS score 1 \(counting from 0\) is nan; gold scores must be finite"),
+        ([1.0, 3.0, True], r"STS score 2 \(counting from 0\) is True \(bool\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sts_spearman(model, tokenizer, s1, s2, scores)
+    row = {"question": w(5), "choices": [w(6), w(7)]}
+    as_int = multiple_choice_accuracy(model, tokenizer, [{**row, "label": 1}])
+    assert multiple_choice_accuracy(model, tokenizer, [{**row, "label": np.int64(1)}]) == as_int
+    with pytest.raises(ValueError, match=r"Row 0: label 1.0 is not a 0-based index .* \(it is float\)"):
+        multiple_choice_accuracy(model, tokenizer, [{**row, "label": 1.0}])
+
+
+def test_a_question_that_is_not_a_text_is_refused(model, tokenizer):
+    row = {"question": None, "choices": [w(6), w(7)], "label": 0}  # was scored as the question "None"
+    with pytest.raises(ValueError, match="Row 0: question is NoneType None; every question must be a text"):
+        multiple_choice_accuracy(model, tokenizer, [row])
+
+
+def test_lm_loss_takes_a_dataset_like_a_list(model, tokenizer):
+    from datasets import Dataset
+
+    rows = [{"prompt": w(5, 6) + " ", "completion": w(7, 8)}, {"prompt": w(9) + " ", "completion": w(10)}]
+    as_dataset = Dataset.from_list(rows)
+    assert lm_loss(model, tokenizer, as_dataset, mode="uni") == lm_loss(model, tokenizer, rows, mode="uni")
+    with pytest.raises(TypeError, match="examples must be a list of texts or rows, got generator"):
+        lm_loss(model, tokenizer, (row for row in rows))
+
+
+def test_csv_cells_spelling_na_or_null_are_texts_not_missing(tmp_path):
+    """pandas reads "NA", "null", "nan", "None" as missing by default: those sentences were refused as empty."""
+    from ubmoe_peft.data import load_rows
+
+    tsv = tmp_path / "sts.tsv"
+    tsv.write_text("sentence1\tsentence2\tscore\nNA\tA man.\t3.0\nnull\tNone\t2.0\nA cat.\tnan\t1\n")
+    rows = load_rows(str(tsv), "sts")
+    assert rows["sentence1"] == ["NA", "null", "A cat."] and rows["sentence2"] == ["A man.", "None", "nan"]
+    csv_file = tmp_path / "sts.csv"
+    csv_file.write_text("sentence1,sentence2,score\nNA,,1.0\n")
+    with pytest.raises(ValueError, match=r"row 0 \(counting from 0\) has an empty 'sentence2'"):  # a blank cell is
+        load_rows(str(csv_file), "sts")

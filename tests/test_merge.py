@@ -196,6 +196,23 @@ def test_export_with_layers_to_transform(arch):
     torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("target", ["bi", "moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_merging_an_adapter_on_fewer_layers_than_another(arch, target):
+    """Adapter "two" wraps layer 0 only, "default" every layer: the export of "two" reads the other layers' FFNs
+    from inside default's UBMoE layers (it used to take those layers for plain FFNs and fail on their names)."""
+    model = get_peft_model(tiny_model(arch), UBMoEConfig(expert_type="copy")).eval()
+    model.add_adapter("two", UBMoEConfig(layers_to_transform=[0]))
+    perturb_adapters(model)
+    model.eval().set_adapter("two")
+    ids, mask = batch(padding="right")
+    with ubmoe_peft.use_mode(model, target):
+        expected = logits(model, ids, mask)
+    out = model.merge_and_unload(target=target, adapter_names=["two"])
+    real = mask.bool()
+    torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
 def test_export_refuses_architectures_without_a_transformers_moe_twin():
     model = wrapped("gemma")
     before = state(model)

@@ -186,6 +186,7 @@ FOREIGN = {
     "hidden size": (dict(hidden=64), ["hidden_size=32", "hidden_size=64"]),
     "layer count": (dict(layers=3), ["num_layers=2", "num_layers=3"]),
     "architecture": (dict(arch="qwen2"), ["model_type='llama'", "model_type='qwen2'"]),
+    "FFN size": (dict(intermediate=48), ["intermediate_size=64", "intermediate_size=48"]),  # Llama-2-7B vs 3-8B
 }
 
 
@@ -201,6 +202,37 @@ def test_adapter_for_another_base_fails_naming_both(saved, case):
         assert phrase in str(info.value)
     assert "made for" in str(info.value) and "loaded into" in str(info.value)
     assert same_state(base, before)  # the check runs before the adapter is injected
+
+
+def test_a_signature_saved_before_an_entry_existed_is_checked_on_the_others(saved):
+    """Adapters saved before `intermediate_size` joined the signature still load, and are still checked."""
+    folder, expected = saved
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    del config["base_model_signature"]["intermediate_size"]
+    path.write_text(json.dumps(config))
+    loaded = peft.PeftModel.from_pretrained(tiny(), folder)
+    assert torch.allclose(logits(loaded, torch.arange(10).view(1, 10)), expected)
+    with pytest.raises(AdapterMismatchError, match="hidden_size=32.*hidden_size=64"):
+        peft.PeftModel.from_pretrained(tiny(hidden=64), folder)
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "extra tensor", "non-finite"])
+def test_modules_to_save_tensors_are_checked_like_the_adapters(tmp_path, case):
+    """The trained copies PEFT keeps for modules_to_save (here the head) pass the same checks as the experts."""
+    model = trained(wrap(modules_to_save=["lm_head"]))
+    model.save_pretrained(tmp_path)
+    key = "base_model.model.lm_head.weight"  # PEFT saves the copy under the module's own name
+    base, message = tiny(), {"extra tensor": "no place in the model", "non-finite": "NaN or inf"}.get(case)
+    if case == "wrong shape":  # a base with a resized vocabulary
+        base.resize_token_embeddings(VOCAB + 2)
+        message = rf"modules_to_save=.*\({VOCAB}, 32\) in the file, \({VOCAB + 2}, 32\) in the model.*resize_token"
+    elif case == "extra tensor":
+        _edit_weights(tmp_path, lambda t: t.update({"base_model.model.model.norm.weight": torch.ones(32)}))
+    else:
+        _edit_weights(tmp_path, lambda t: t[key].view(-1)[0].fill_(float("inf")))
+    with pytest.raises(AdapterMismatchError, match=message):
+        peft.PeftModel.from_pretrained(base, tmp_path)
 
 
 def _edit_weights(folder: pathlib.Path, edit) -> None:
@@ -332,11 +364,26 @@ def test_modules_to_save_train_in_both_stages_and_serve_every_mode():
             torch.testing.assert_close(logits(model, ids), base, rtol=0, atol=0)
 
 
+def test_a_pickle_save_is_refused_before_anything_is_written(saved):
+    """PEFT's safe_serialization=False writes adapter_model.bin with a plain torch.save, in place; beside an older
+    adapter_model.safetensors, the loader would then have read the older weights."""
+    folder, _ = saved
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    model = trained(wrap(), seed=2)
+    with pytest.raises(ValueError, match=r"safe_serialization=False.*\['default'\].*adapter_model\.bin.*Nothing was"):
+        model.save_pretrained(folder, safe_serialization=False)
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+    lora = peft.get_peft_model(tiny(), peft.LoraConfig(target_modules=["q_proj"]))
+    lora.save_pretrained(folder / "lora", safe_serialization=False)  # other PEFT methods keep PEFT's choice
+    assert (folder / "lora" / "adapter_model.bin").exists()
+
+
 def test_pickle_is_never_loaded(saved, tmp_path, monkeypatch):
     folder, _ = saved
     pickled = tmp_path / "pickled"
-    trained(wrap()).save_pretrained(pickled, safe_serialization=False)
-    assert (pickled / "adapter_model.bin").exists()
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_bytes((folder / "adapter_config.json").read_bytes())
+    torch.save(load_file(folder / "adapter_model.safetensors"), pickled / "adapter_model.bin")  # as PEFT writes it
 
     def refuse(*args, **kwargs):
         raise AssertionError("an unpickler was called")
@@ -454,6 +501,31 @@ def _assert_intact(folder: pathlib.Path, versions: dict[int, bytes]) -> None:
     assert all(n.startswith(".") for n in names), names  # only hidden temp files (ours, or safetensors' own)
     loaded = peft.PeftModel.from_pretrained(tiny(**BIG), folder)
     assert torch.isfinite(logits(loaded, torch.arange(8).view(1, 8))).all()
+
+
+@pytest.mark.parametrize("changed", [dict(lora_alpha=64.0), dict(top_k=2), dict(use_rslora=False)])
+def test_weights_beside_another_saves_config_are_refused(tmp_path, changed):
+    """A save killed between its two renames leaves the new weights with the old config. Settings that keep every
+    tensor's shape (alpha, top_k, rsLoRA) would then load silently with the wrong scaling or routing; the weights
+    carry the settings they were saved with, and the loader compares them with the config."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    trained(wrap()).save_pretrained(old)
+    trained(wrap(**changed), seed=3).save_pretrained(new)
+    (old / "adapter_model.safetensors").write_bytes((new / "adapter_model.safetensors").read_bytes())
+    ((name, value),) = changed.items()
+    with pytest.raises(AdapterFileError, match=rf"different saves: {name}={value!r} in the weights, .* in the config"):
+        peft.PeftModel.from_pretrained(tiny(), old)
+    peft.PeftModel.from_pretrained(tiny(), new)  # the pair as saved loads
+
+
+def test_saving_the_same_adapter_twice_gives_the_same_file(tmp_path):
+    """safetensors orders metadata from a hash map; with the settings beside "format", the bytes changed per save."""
+    model = trained(wrap(expert_type="copy"))
+    files = set()
+    for _ in range(6):
+        model.save_pretrained(tmp_path)
+        files.add((tmp_path / "adapter_model.safetensors").read_bytes())
+    assert len(files) == 1
 
 
 def test_save_killed_while_writing_keeps_the_previous_adapter(tmp_path):
@@ -621,7 +693,8 @@ def test_saved_config_is_complete_and_readable(saved):
     folder, expected = saved
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["peft_type"] == "UBMOE"
-    assert config["base_model_signature"] == {"hidden_size": 32, "model_type": "llama", "num_layers": 2}
+    signature = {"hidden_size": 32, "intermediate_size": 64, "model_type": "llama", "num_layers": 2}
+    assert config["base_model_signature"] == signature
     loaded = peft.PeftModel.from_pretrained(tiny(), folder)
     assert torch.allclose(logits(loaded, torch.arange(10).view(1, 10)), expected, atol=1e-6)
 

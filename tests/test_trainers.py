@@ -241,6 +241,9 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
     scored = Dataset.from_dict({"sentence1": [w(3), w(4)], "sentence2": [w(5), w(6)], "score": [0.0, 0.1]})
     with pytest.raises(ValueError, match=r"train_dataset\['sts'\] has columns .*'score'.*loss=sentence_transformers"):
         ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset={"nli": _pairs(), "sts": scored})
+    for eval_dataset, where in [(scored, "eval_dataset"), ({"sts": scored}, r"eval_dataset\['sts'\]")]:
+        with pytest.raises(ValueError, match=rf"ContrastiveTrainer's {where} has columns .*'score'"):  # was evaluated
+            ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_pairs(), eval_dataset=eval_dataset)
     trainer = ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=scored, loss=losses.CoSENTLoss)
     assert trainer.loss.model is trainer.sentence_transformer  # a loss class is built on the trained model
     own = ubmoe_peft.to_sentence_transformer(model, tokenizer, pooling="lasttoken")

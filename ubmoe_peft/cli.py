@@ -106,6 +106,16 @@ class ExportArgs:
     )
     safe_merge: bool = field(default=False, metadata={"help": "Refuse to export NaN or infinite merged weights."})
 
+    def __post_init__(self) -> None:  # checked now, not after loading and merging the model
+        if self.target not in ("moe", "bi"):
+            raise ValueError(f"--target {self.target!r} is not an export target; use 'moe' or 'bi'.")
+        path = Path(self.output_dir)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise FileExistsError(
+                f"--output_dir {self.output_dir!r} already exists and is not an empty folder (an export never mixes "
+                "its files with others'); choose a new output folder."
+            )
+
 
 def _adapter_args() -> type:
     """UBMoEConfig's own fields as command-line options (its help texts, one source of truth)."""
@@ -148,6 +158,16 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if args.dtype not in dtypes:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {list(dtypes)}.")
+    if args.adapter is not None:  # before loading the model: a foreign adapter would fail only at its first UBMoE call
+        from peft import PeftConfig
+
+        adapter_config = PeftConfig.from_pretrained(args.adapter)
+        if not isinstance(adapter_config, UBMoEConfig):
+            raise ValueError(
+                f"--adapter {args.adapter!r} is a {adapter_config.peft_type.value} adapter, not a UBMoE one. The ubmoe "
+                "commands load the adapters that `ubmoe train-contrastive` and `ubmoe train-router` save; load other "
+                "PEFT adapters with peft.PeftModel.from_pretrained."
+            )
     if args.model == "smollm2":
         model, tokenizer = load_smollm2(dtype=dtypes[args.dtype])
     else:
@@ -340,8 +360,13 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
 
 def _next(model_args: ModelArgs, command: str, config: Any) -> str:
     """The next command to run on the adapter just saved, with the base it was trained on."""
-    model = "" if model_args.model == ModelArgs.model else f" --model {shlex.quote(model_args.model)}"
-    return f"ubmoe {command}{model} --adapter {shlex.quote(str(config.output_dir))}"
+    given = {
+        name: getattr(model_args, name)
+        for name in ("model", "gguf_file", "dtype", "device")
+        if getattr(model_args, name) != getattr(ModelArgs, name)
+    }
+    options = "".join(f" --{name} {shlex.quote(str(value))}" for name, value in given.items())
+    return f"ubmoe {command}{options} --adapter {shlex.quote(str(config.output_dir))}"
 
 
 def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:

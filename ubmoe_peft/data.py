@@ -47,6 +47,8 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
                     "selects rows). Pass a dataset folder or hub id for other splits, or drop --split."
                 )
             extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
+            if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
+                extra.update(keep_default_na=False, na_values=[""])
             rows = load_dataset(loader, data_files=str(path), split=split, **extra)
             if loader == "text":  # one text per line: blank lines separate texts, they are not texts
                 rows = rows.filter(lambda row: bool(row["text"].strip()))

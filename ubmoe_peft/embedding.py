@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from .modes import ubmoe_layers, use_mode
+from .modes import get_mode, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import MODES
 
 try:
@@ -103,7 +104,9 @@ class UBMoEEncoder(InputModule):
         if wrong:  # str(None) would be embedded as the text "None"
             i, value = wrong[0]
             raise TypeError(f"Text {i} to embed is {type(value).__name__} {value!r}; this model embeds strings only.")
-        max_length = kwargs.get("max_length") or self.max_length
+        max_length = kwargs.get("max_length")
+        if max_length is None:  # only None is unset: max_length=0 used to fall back to the default silently
+            max_length = self.max_length
         _check_max_length(max_length)
         options: dict[str, Any] = {"padding": True, "truncation": True, "max_length": max_length}
         for modality, values in (processing_kwargs or {}).items():
@@ -140,8 +143,14 @@ class UBMoEEncoder(InputModule):
         for ids in full:
             end = next(i for i in range(len(ids), -1, -1) if i == 0 or ids[i - 1] not in specials)  # before EOS etc.
             keep = tail + len(ids) - end  # the template's end and the tokenizer's closing special tokens
-            rows.append(ids if len(ids) <= limit or keep >= limit else ids[: limit - keep] + ids[len(ids) - keep :])
-        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of")}
+            if len(ids) > limit and keep >= limit:  # returned whole, the row was longer than max_length
+                raise ValueError(
+                    f"max_length={limit} cannot hold the end of prompt={self.prompt!r}: the {tail} tokens after "
+                    f"'{{text}}' and {keep - tail} closing special token(s) leave no room for the text. Raise "
+                    f"max_length above {keep} (or shorten the prompt's end)."
+                )
+            rows.append(ids if len(ids) <= limit else ids[: limit - keep] + ids[len(ids) - keep :])
+        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of", "max_length")}
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", **padding))
 
     def _prompt_length(self, prompt: str) -> int:
@@ -150,6 +159,18 @@ class UBMoEEncoder(InputModule):
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        current = get_mode(self.model)
+        if current != self.mode and torch.is_grad_enabled() and self.model.training and _checkpointing(self.model):
+            # Checkpointing runs the layers again during backward, after use_mode below has restored the mode: the
+            # recomputation would be of another mode (a CheckpointError, or silently wrong gradients if reentrant).
+            fix = "ubmoe_peft.set_stage(model, 'contrastive') or ubmoe_peft.set_mode(model, 'bi')"
+            if self.mode != "bi":
+                fix = f"ubmoe_peft.set_mode(model, {self.mode!r})"
+            raise ValueError(
+                f"The model is in mode {current!r}, but this SentenceTransformer embeds in mode {self.mode!r}, and "
+                "with gradient checkpointing on, the backward pass would recompute the layers in mode "
+                f"{current!r}. Call {fix} before training (or turn gradient checkpointing off)."
+            )
         with use_mode(self.model, self.mode):
             out = _backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
         features["token_embeddings"] = out.last_hidden_state  # (B, T, C)
@@ -172,6 +193,15 @@ class UBMoEEncoder(InputModule):
             "'<folder>/ubmoe_adapter/<name>') and ubmoe_peft.to_sentence_transformer(...). To resume training from a "
             "checkpoint, use ubmoe_peft.ContrastiveTrainer(...).train(resume_from_checkpoint=...), which loads it."
         )
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether the wrapped transformers model has gradient (activation) checkpointing on."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5's name, then 4's
+        if hasattr(type(inner), name):  # on the class: reading the deprecated property would warn
+            return bool(getattr(inner, name))
+    return False
 
 
 def _check_max_length(max_length: Any) -> None:

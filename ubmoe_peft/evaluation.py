@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+import numbers
+import operator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -44,12 +46,10 @@ def sts_spearman(
             f"STS needs at least 2 rows and as many sentences1 ({len(sentences1)}), sentences2 ({len(sentences2)}) "
             f"as scores ({len(scores)})."
         )
-    bad = [i for i, s in enumerate(scores) if isinstance(s, bool) or not isinstance(s, (int, float))]
-    if bad or not all(math.isfinite(s) for s in scores):
-        raise ValueError(f"STS scores must be finite numbers; score {bad[0] if bad else 'of some row'} is not.")
-    if len(set(scores)) < 2:
+    gold = [_gold_score(i, score) for i, score in enumerate(scores)]
+    if len(set(gold)) < 2:
         raise ValueError(
-            f"All {len(scores)} gold scores are {scores[0]}: a rank correlation with constant scores is undefined. "
+            f"All {len(gold)} gold scores are {gold[0]}: a rank correlation with constant scores is undefined. "
             "Pass pairs with different gold scores."
         )
     check_sizes(batch_size, max_length)
@@ -57,7 +57,7 @@ def sts_spearman(
     evaluator = EmbeddingSimilarityEvaluator(
         list(sentences1),
         list(sentences2),
-        [float(s) for s in scores],
+        gold,
         batch_size=batch_size,
         main_similarity="cosine",
         similarity_fn_names=["cosine"],
@@ -65,6 +65,22 @@ def sts_spearman(
     )
     with _evaluating(model):
         return 100 * float(evaluator(st)[evaluator.primary_metric])
+
+
+def _gold_score(row: int, score: Any) -> float:
+    """A gold score as a float: any real number (numpy's and 0-d tensors too), not a bool, a text or NaN."""
+    if isinstance(score, torch.Tensor) and score.ndim == 0 and score.dtype != torch.bool:
+        score = score.item()
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        raise ValueError(
+            f"STS score {row} (counting from 0) is {score!r} ({type(score).__name__}); gold scores must be numbers. "
+            "Convert the column to numbers first (float(score))."
+        )
+    if not math.isfinite(score):
+        raise ValueError(
+            f"STS score {row} (counting from 0) is {score!r}; gold scores must be finite. Fill it in or drop the row."
+        )
+    return float(score)
 
 
 def _check_texts(texts: Any, name: str) -> None:
@@ -108,19 +124,34 @@ def _pair(tokenizer: Any, example: str | dict) -> tuple[list[int], list[int]]:
                 "before it, so a chat needs at least one turn before a last turn by the 'assistant'. End each chat "
                 "with the assistant's reply (drop a trailing user turn)."
             )
-        context = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)
-        whole = tokenizer.apply_chat_template(messages, tokenize=True)
-        context, whole = _ids(context), _ids(whole)
-        if whole[: len(context)] != context:
-            raise ValueError("The chat template does not render the conversation as a prefix plus the last turn.")
-        return context, whole[len(context) :]
+        return _chat_pair(tokenizer, messages[:-1], messages)
     if "prompt" in example and "completion" in example:
-        return _prompt_completion(tokenizer, example["prompt"], example["completion"])
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list) and prompt and completion:
+            return _chat_pair(tokenizer, prompt, prompt + completion)  # TRL's conversational prompt/completion
+        for field, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"Its {field!r} is {type(value).__name__} {repr(value)[:60]}; give 'prompt' and 'completion' as "
+                    "two texts, or as two non-empty lists of chat turns (TRL's conversational format)."
+                )
+        return _prompt_completion(tokenizer, prompt, completion)
     if "text" in example:
+        if not isinstance(example["text"], str):
+            raise TypeError(f"Its 'text' is {type(example['text']).__name__} {example['text']!r}; give a text.")
         return _pair(tokenizer, example["text"])
     raise ValueError(
         f"Cannot score an example with keys {sorted(example)}: give 'messages', 'prompt' and 'completion', or 'text'."
     )
+
+
+def _chat_pair(tokenizer: Any, context: list, turns: list) -> tuple[list[int], list[int]]:
+    """(ids of the chat ``context`` with the assistant's generation prompt, ids of the rest of ``turns``)."""
+    first = _ids(tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True))
+    whole = _ids(tokenizer.apply_chat_template(turns, tokenize=True))
+    if whole[: len(first)] != first:
+        raise ValueError("The chat template does not render the conversation as a prefix plus the scored turns.")
+    return first, whole[len(first) :]
 
 
 def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -197,20 +228,22 @@ def _in_mode(model: nn.Module, mode: str | None):
 def lm_loss(
     model: nn.Module,
     tokenizer: Any,
-    examples: Sequence[str | dict],
+    examples: Iterable[str | dict],
     mode: str | None = None,
     batch_size: int = 4,
     max_length: int = 512,
 ) -> dict[str, float]:
     """Mean negative log-likelihood per scored token (``loss``), its ``perplexity``, and the ``tokens`` scored.
 
-    Scored: every token but the first of a text; the completion of a prompt/completion row; the last turn of a chat.
+    Scored: every token but the first of a text; the completion of a prompt/completion row (every completion turn
+    of TRL's conversational rows, lists of turns); the last turn of a chat. ``examples`` may be a datasets.Dataset.
     """
-    if isinstance(examples, (str, dict)) or not isinstance(examples, Sequence):
+    if isinstance(examples, (str, dict)) or not isinstance(examples, Iterable) or not hasattr(examples, "__len__"):
         raise TypeError(
-            f"examples must be a list of texts or rows, got {type(examples).__name__} {str(examples)[:60]!r}; "
-            "wrap a single example in a list."
+            f"examples must be a list of texts or rows, got {type(examples).__name__} {str(examples)[:60]!r}; wrap "
+            "a single example in a list (a datasets.Dataset or another sized collection of rows is taken as it is)."
         )
+    examples = list(examples)  # a datasets.Dataset gives its rows as dicts
     if not examples:
         raise ValueError("lm_loss needs at least one example.")
     check_sizes(batch_size, max_length)
@@ -253,20 +286,19 @@ def multiple_choice_accuracy(
         missing = {"question", "choices", "label"} - set(row)
         if missing:
             raise ValueError(f"Row {i} lacks {sorted(missing)}; multiple-choice rows need question, choices, label.")
-        choices, label = row["choices"], row["label"]
-        if isinstance(label, str) and label.strip().isdigit():  # "1" from a text column
-            label = int(label)
+        question, choices = row["question"], row["choices"]
+        if not isinstance(question, str):  # str(None) would be scored as the question "None"
+            raise ValueError(
+                f"Row {i}: question is {type(question).__name__} {question!r}; every question must be a text. Fill "
+                "it in or drop the row."
+            )
         if isinstance(choices, str) or not isinstance(choices, Sequence) or len(choices) < 2:
             raise ValueError(f"Row {i}: choices must be a list of at least 2 answers, got {choices!r}.")
-        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
-            raise ValueError(
-                f"Row {i}: label {label!r} is not a 0-based index of its {len(choices)} choices "
-                f"(0..{len(choices) - 1}); rows without a known answer cannot be scored."
-            )
+        label = _label(i, row["label"], len(choices))
         blank = [k for k, choice in enumerate(choices) if not isinstance(choice, str) or not choice.strip()]
         if blank:  # an empty choice scores no token, log-likelihood 0: it would always win
             raise ValueError(f"Row {i}: choice {blank[0]} is {choices[blank[0]]!r}; every choice must be a text.")
-        context = f"Question: {row['question']}\nAnswer:"
+        context = f"Question: {question}\nAnswer:"
         spans.append((len(pairs), len(choices), label))
         for choice in choices:
             prompt_ids, choice_ids = _pair(tokenizer, {"prompt": context, "completion": f" {choice}"})
@@ -291,6 +323,24 @@ def multiple_choice_accuracy(
         right_norm += max(range(count), key=norms.__getitem__) == label
     n = len(spans)
     return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": float(n)}
+
+
+def _label(row: int, label: Any, count: int) -> int:
+    """A 0-based choice index: any integer (numpy's too, or "1" from a text column), not a bool."""
+    index = None
+    if isinstance(label, str) and label.strip().isdigit():
+        index = int(label)
+    elif not isinstance(label, bool):
+        try:
+            index = operator.index(label)
+        except TypeError:
+            pass
+    if index is None or not 0 <= index < count:
+        raise ValueError(
+            f"Row {row}: label {label!r} is not a 0-based index of its {count} choices (0..{count - 1}) (it is "
+            f"{type(label).__name__}); give the right choice's index. Rows without a known answer cannot be scored."
+        )
+    return index
 
 
 def _score(

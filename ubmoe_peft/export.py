@@ -114,7 +114,7 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     state: dict[str, torch.Tensor] = {}
     for i, ffn in ffns.items():  # every check (quantization, finiteness, FFN shape) before building anything
         prefix = f"{layers[i][0]}.mlp"
-        base = ffn.base_layer if i in wrapped else ffn
+        base = ffn.base_layer if isinstance(ffn, UBMoELayer) else ffn  # another adapter may wrap this layer
         uni = {name: proj.weight.detach() for name, proj in linear_projections(base).items()}  # (out, in)
         if i not in wrapped and target != "mixtral":
             state.update({f"{prefix}.{name}.weight": weight for name, weight in uni.items()})

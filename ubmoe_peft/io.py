@@ -3,7 +3,8 @@
 PEFT writes ``adapter_model.safetensors`` with ``safe_save_file`` (imported by name into ``peft.peft_model``) and
 reads it with ``load_peft_weights`` (likewise); it reads ``adapter_config.json`` with ``PeftConfig.from_json_file``
 and ``PeftConfig._get_peft_type``, the latter before it even knows the file is a UBMoE adapter. PEFT has no hook
-for any of these, so `install` swaps those four names for the wrappers below when ubmoe-peft is imported:
+for any of these, so `install` swaps those four names and ``PeftModel.save_pretrained`` for the wrappers below when
+ubmoe-peft is imported:
 
 - the weights writer becomes atomic (temp file in the same folder, flush + fsync, ``os.replace``, fsync of the
   folder), so a save killed half-way leaves the previous file intact; this holds for every PEFT method. Recent
@@ -12,6 +13,8 @@ for any of these, so `install` swaps those four names for the wrappers below whe
   ``UBMoEConfig.save_pretrained``;
 - the config readers turn unreadable or malformed JSON into `AdapterFileError` naming the file (PEFT raised a bare
   ``JSONDecodeError`` / ``KeyError``); valid files are read exactly as before;
+- ``PeftModel.save_pretrained`` refuses ``safe_serialization=False`` for UBMoE adapters before anything is written
+  (PEFT would ``torch.save`` a pickle in place, which the reader below refuses);
 - the weights reader, for a local UBMoE adapter folder, refuses ``adapter_model.bin`` (a pickle) and turns a
   missing, truncated or corrupted ``adapter_model.safetensors`` into `AdapterFileError`; other methods' adapters
   are loaded by PEFT's own code unchanged.
@@ -22,18 +25,34 @@ All errors raised here subclass ``ValueError`` (see `UBMoEFileError`), so caller
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
+import itertools
 import json
 import os
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from safetensors import safe_open
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 UBMOE_TYPE = "UBMOE"
+SETTINGS_KEY = "ubmoe_settings"  # safetensors metadata: the settings the weights were saved with
+# The settings that change what a loaded adapter computes (lora_dropout and router_gradient act only in training).
+OUTPUT_SETTINGS = (
+    "expert_type", "r", "lora_alpha", "use_rslora", "attention_r", "target_modules", "ffn_projections", "top_k",
+    "router_dtype", "layers_to_transform", "modules_to_save",
+)  # fmt: skip
+_PENDING_SETTINGS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("ubmoe_pending_settings")
+
+
+def settings_json(config: dict[str, Any]) -> str:
+    """``config``'s `OUTPUT_SETTINGS` as canonical JSON (sets sorted), to store beside the weights and compare."""
+    return json.dumps({k: config.get(k) for k in OUTPUT_SETTINGS}, sort_keys=True, default=sorted)
 
 
 class UBMoEFileError(ValueError):
@@ -60,8 +79,12 @@ def _fsync_dir(folder: str) -> None:
 
 def _umask_mode(full: int) -> int:
     """``full`` (0o666 for files, 0o777 for folders) less the process umask: the mode a plain open/mkdir gives."""
-    mask = os.umask(0)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
+    try:  # Linux shows the umask; elsewhere reading it means setting it, which other threads could see
+        with open("/proc/self/status", encoding="ascii") as status:
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
     return full & ~mask
 
 
@@ -199,6 +222,24 @@ class _Weights(dict):
         )
 
 
+def _sort_metadata(path: str, metadata: dict[str, str]) -> None:
+    """Put the metadata of the safetensors file at ``path`` in sorted key order, in place.
+
+    safetensors writes metadata from a hash map, so with two or more keys their order, and with it the file's bytes,
+    changes from save to save; saving the same adapter twice should give the same file (checksums, deduplication).
+    The header is rewritten with the same length, only the order of the metadata's entries changing."""
+    orders = [dict(order) for order in itertools.permutations(metadata.items())]
+    texts = [json.dumps(order, separators=(",", ":"), ensure_ascii=False).encode() for order in orders]
+    with open(path, "r+b") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = handle.read(size)
+        found = [text for text in texts if b'"__metadata__":' + text in header]
+        if len(found) != 1:  # not the layout expected of safetensors' writer: leave the file as written
+            return
+        handle.seek(8)
+        handle.write(header.replace(found[0], texts[orders.index(dict(sorted(metadata.items())))], 1))
+
+
 def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def atomic_safe_save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
@@ -209,10 +250,51 @@ def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"{offloaded[0]!r}): accelerate has offloaded them and keeps their values outside the model. Save "
                 "the adapter before offloading the model (model.save_pretrained, then accelerate.cpu_offload)."
             )
-        atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
+        settings = _PENDING_SETTINGS.get({}).get(os.path.abspath(filename))
+        if settings is None:
+            atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
+            return
+        metadata = {**(metadata or {}), SETTINGS_KEY: settings}  # a UBMoE adapter's weights (`_wrap_save_pretrained`)
+
+        def write(tmp: str) -> None:
+            original(tensors, tmp, metadata=metadata)
+            _sort_metadata(tmp, metadata)
+
+        atomic_write(filename, write)
 
     atomic_safe_save_file._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return atomic_safe_save_file
+
+
+def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def save_pretrained(self: Any, save_directory: str, safe_serialization: bool = True, **kwargs: Any) -> None:
+        if not safe_serialization:  # PEFT would torch.save a pickle in place: not atomic, and never loaded back
+            selected = kwargs.get("selected_adapters") or list(self.peft_config)
+            ubmoe = [name for name in selected if getattr(self.peft_config.get(name), "peft_type", None) == UBMOE_TYPE]
+            if ubmoe:
+                raise ValueError(
+                    f"save_pretrained({save_directory!r}, safe_serialization=False) would write the UBMoE adapters "
+                    f"{ubmoe} as {PICKLE_WEIGHTS_NAME}, a pickle, which ubmoe-peft never loads (unpickling can run "
+                    f"code) and cannot write atomically. Nothing was written; save with safe_serialization=True (the "
+                    f"default) for {WEIGHTS_NAME}."
+                )
+        # PEFT writes each adapter's weights, then its config: a save killed between the two renames leaves new
+        # weights beside an older config. The weights carry the settings they were saved with; the loader compares.
+        pending = {}
+        for name in kwargs.get("selected_adapters") or list(self.peft_config):
+            config = self.peft_config.get(name)
+            if getattr(config, "peft_type", None) == UBMOE_TYPE:
+                folder = save_directory if name == "default" else os.path.join(save_directory, name)
+                pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings_json(config.to_dict())
+        token = _PENDING_SETTINGS.set(pending)
+        try:
+            return original(self, save_directory, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            _PENDING_SETTINGS.reset(token)
+
+    save_pretrained._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return save_pretrained
 
 
 def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict]:
@@ -223,15 +305,40 @@ def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict
             return original(model_id, device, **kwargs)
         path = check_weights_file(folder)
         try:
-            return _Weights(original(model_id, device, **kwargs), folder=folder)
+            weights = _Weights(original(model_id, device, **kwargs), folder=folder)
+            with safe_open(path, framework="pt") as handle:
+                saved = (handle.metadata() or {}).get(SETTINGS_KEY)
         except Exception as exc:  # safetensors raises its own SafetensorError (an Exception) for bad headers
             raise AdapterFileError(
                 f"{path} cannot be read as safetensors ({type(exc).__name__}: {exc}). It is truncated or corrupted; "
                 "save the adapter again with model.save_pretrained(folder)."
             ) from exc
+        if saved is not None:  # files saved before the settings were stored have none
+            _check_settings(saved, os.path.join(folder, CONFIG_NAME), path)
+        return weights
 
     load_peft_weights._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return load_peft_weights
+
+
+def _check_settings(saved: str, config_path: str, weights_path: str) -> None:
+    """Refuse weights whose stored settings differ from the config beside them (another save's, or an edit)."""
+    current = json.loads(settings_json(read_json_config(config_path)))
+    try:
+        stored = json.loads(saved)
+        differ = [k for k in OUTPUT_SETTINGS if stored[k] != current[k]]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise AdapterFileError(
+            f"{weights_path} holds unreadable '{SETTINGS_KEY}' metadata ({type(exc).__name__}: {exc}). It is "
+            "corrupted; save the adapter again with model.save_pretrained(folder)."
+        ) from exc
+    if differ:
+        shown = ", ".join(f"{k}={stored[k]!r} in the weights, {current[k]!r} in the config" for k in differ)
+        raise AdapterFileError(
+            f"{config_path} and {weights_path} come from different saves: {shown}. A save was interrupted between its "
+            "two files, or one file was copied or edited. Save the adapter again with model.save_pretrained(folder), "
+            "or put back the adapter_config.json saved with these weights."
+        )
 
 
 def _wrap_from_json_file(original: Callable[..., dict]) -> Callable[..., dict]:
@@ -288,6 +395,8 @@ def install() -> None:
 
     if not hasattr(peft_model.safe_save_file, "_ubmoe_wrapped"):
         peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
+    if not hasattr(peft_model.PeftModel.save_pretrained, "_ubmoe_wrapped"):
+        peft_model.PeftModel.save_pretrained = _wrap_save_pretrained(peft_model.PeftModel.save_pretrained)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
         peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
     from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin

@@ -60,12 +60,16 @@ def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
 
 def _active_adapter(model: nn.Module) -> str:
     active = getattr(model, "active_adapter", None)
+    if not isinstance(active, (str, list)):  # None, or a method of that name (a SentenceTransformer's): ask a layer
+        layers = ubmoe_layers(model)
+        active = layers[0].active_adapters if layers else None
     if isinstance(active, list):
         if len(active) != 1:
-            raise ValueError(f"set_stage trains one adapter at a time, but {active} are active.")
+            raise ValueError(
+                f"set_stage trains one adapter at a time, but {active} are active; activate one first "
+                "(model.set_adapter(name))."
+            )
         active = active[0]
-    if active is None:
-        active = ubmoe_layers(model)[0].active_adapters[0]
     return active
 
 
@@ -76,6 +80,7 @@ def set_stage(model: nn.Module, stage: str) -> None:
     both stages."""
     if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
+    _state(model)  # refuses a model without UBMoE layers, or a superseded one, before anything is frozen
     adapter = _active_adapter(model)
     layers = ubmoe_layers(model)
     if not any(adapter in layer.ubmoe_router for layer in layers):

@@ -169,13 +169,15 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             model, tokenizer, pooling=args.pooling, prompt=args.prompt, max_length=args.max_length
         )
         if loss is None:
-            datasets = train_dataset if isinstance(train_dataset, dict) else {"": train_dataset}
-            for name, dataset in datasets.items():
-                columns = getattr(dataset, "column_names", None)
-                if isinstance(columns, list):
-                    what = f"ContrastiveTrainer's train_dataset{f'[{name!r}]' if name else ''}"
-                    fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
-                    refuse_graded_pairs(columns, what, fix)
+            # The eval loss is the same in-batch-negatives loss: graded pairs would be scored as positives there too.
+            for role, given in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+                datasets = given if isinstance(given, dict) else {"": given}
+                for name, dataset in datasets.items():
+                    columns = getattr(dataset, "column_names", None)
+                    if isinstance(columns, list):
+                        what = f"ContrastiveTrainer's {role}{f'[{name!r}]' if name else ''}"
+                        fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
+                        refuse_graded_pairs(columns, what, fix)
             loss = MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
         else:
             _check_loss_model(loss, self.sentence_transformer)

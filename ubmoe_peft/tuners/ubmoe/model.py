@@ -261,10 +261,10 @@ class UBMoEModel(BaseTuner):
         if mask.dim() != 4 or mask.shape[-2] < 2:
             return
         allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
-        real = state.token_mask
-        if real is None or real.shape != (mask.shape[0], mask.shape[-1]):
-            real = torch.ones(mask.shape[0], mask.shape[-1], dtype=torch.bool, device=mask.device)  # (B, K)
-        real = real.to(device=mask.device, dtype=torch.bool)  # (B, K)
+        # Real tokens: the keys some query attends to, read from this mask itself. (The model's last attention_mask
+        # is another batch's when gradient checkpointing recomputes an earlier forward of the step.) A batch's
+        # longest row has no padding, so a causal mask is caught in that row whatever its padding rows show.
+        real = allowed[:, 0].any(dim=-2)  # (B, K)
         # In every row with two or more real tokens, the first real token must see the second one.
         first = real.int().argmax(dim=1)  # (B,)
         after_first = real & (torch.arange(real.shape[1], device=real.device) > first.unsqueeze(1))  # (B, K)
@@ -407,13 +407,23 @@ def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:
 
 
 def base_signature(model: nn.Module) -> dict[str, Any]:
-    """What an adapter must match in its base: architecture, hidden size and number of decoder layers."""
+    """What an adapter must match in its base: architecture, hidden and FFN sizes and number of decoder layers.
+    (Llama-2-7B and Llama-3-8B share the other three; the FFN size tells them apart.)"""
     config = text_config(model)
+    ffn_size = getattr(config, "intermediate_size", None)
     return {
         "model_type": getattr(config, "model_type", None),
         "hidden_size": getattr(config, "hidden_size", None),
+        "intermediate_size": list(ffn_size) if isinstance(ffn_size, tuple) else ffn_size,  # as JSON reads it back
         "num_layers": len(decoder_layers(model)),
     }
+
+
+def signature_differences(saved: dict[str, Any] | None, model: nn.Module) -> list[str]:
+    """The entries in which ``model`` differs from a saved base signature. Only entries both have count: files saved
+    before an entry was added (intermediate_size) are still checked on the others."""
+    current = base_signature(model)
+    return sorted(k for k in current if k in (saved or {}) and saved[k] != current[k])
 
 
 def _describe(name: str | None, signature: dict[str, Any] | None) -> str:
@@ -432,10 +442,11 @@ def _mismatch(config: UBMoEConfig, model: nn.Module, problem: str) -> AdapterMis
 
 def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, state_dict: dict) -> None:
     """Raise `AdapterMismatchError` unless ``state_dict`` (keys already mapped to the model) fills exactly the
-    adapter's UBMoE parameters with tensors of the same shapes, all finite."""
+    adapter's UBMoE parameters and its copies of ``modules_to_save`` with tensors of the same shapes, all finite."""
     own = re.compile(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)))
-    expected = {k: v.shape for k, v in model.state_dict().items() if own.search(k)}
-    given = {k: v for k, v in state_dict.items() if ".ubmoe_" in k}
+    saved_copy = re.compile(rf"\.modules_to_save\.{re.escape(adapter_name)}\.")  # PEFT's copies (modules_to_save)
+    expected = {k: v.shape for k, v in model.state_dict().items() if own.search(k) or saved_copy.search(k)}
+    given = dict(state_dict)  # a UBMoE file holds the adapter's tensors and nothing else
     unexpected = sorted(k for k in given if k not in expected)
     missing = sorted(k for k in expected if k not in given)
     wrong = [
@@ -450,8 +461,15 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
         problems.append(f"{len(unexpected)} tensors have no place in the model (e.g. {unexpected[0]}).")
     if missing:
         problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
-    if problems and config.base_model_signature not in (None, base_signature(model)):
+    if problems and signature_differences(config.base_model_signature, model):
         raise _mismatch(config, model, " ".join(problems))
+    if wrong and all(".modules_to_save." in k for k in wrong):  # e.g. a head or embeddings of another vocabulary
+        raise AdapterMismatchError(
+            f"The adapter's trained copies of base modules (modules_to_save={config.modules_to_save}) do not fit the "
+            f"model's: {' '.join(problems)} The base differs from the one the adapter was trained on, e.g. in "
+            "vocabulary size. Load the adapter onto that base (or resize this one's token embeddings to the saved "
+            "size first, model.resize_token_embeddings(n))."
+        )
     if problems:  # the right base: the weights were saved by an adapter of other settings (or the file was edited)
         settings = ", ".join(
             f"{k}={getattr(config, k)!r}" for k in ("expert_type", "r", "attention_r", "target_modules")
@@ -491,7 +509,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
         config.base_model_signature = signature
     else:
         saved = config.base_model_signature
-        differ = sorted(k for k in signature if k in saved and saved[k] != signature[k])  # unknown keys: newer files
+        differ = signature_differences(saved, model)
         if differ:
             raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
     if config.target_modules is None:
