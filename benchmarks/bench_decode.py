@@ -51,18 +51,25 @@ TARGET = 0.95
 CONTROL = "base, second copy (A/A control)"
 COPY_ZERO = "copy, routers zeroed (control)"
 COPY_CLONED, COPY_ALIASED = "copy, bi = base FFN cloned (control)", "copy, bi = base FFN aliased (control)"
-GENERAL = "lora, general path (control)"
+GENERAL = ", general path (control)"  # after the model's expert type
+_GENERAL_LAYERS: set[int] = set()  # ids of the layers that never take the decode plan
 
 
 def general_path_control(model: nn.Module) -> nn.Module:
-    """A copy of a LoRA model whose layers never take the decode plan (``--plan-control``): the same outputs through
+    """A copy of a UBMoE model whose layers never take the decode plan (``--plan-control``): the same outputs through
     the general path of `layer.py`, so the plan's gain is measured in the same run. The library has no switch for
     this (the plan is always right where it applies), so the benchmark wraps the function the layers call; the other
     models pay one extra Python call and set lookup per layer, well under a microsecond."""
     twin = copy.deepcopy(model)
-    general = {id(layer) for layer in ubmoe_peft.modes.ubmoe_layers(twin)}
-    planned = layer_module.planned_moe
-    layer_module.planned_moe = lambda layer, x: None if id(layer) in general else planned(layer, x)
+    _GENERAL_LAYERS.update(id(layer) for layer in ubmoe_peft.modes.ubmoe_layers(twin))
+    if not hasattr(layer_module.planned_moe, "planned"):
+        planned = layer_module.planned_moe
+
+        def planned_unless_control(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+            return None if id(layer) in _GENERAL_LAYERS else planned(layer, x)
+
+        planned_unless_control.planned = planned  # type: ignore[attr-defined]
+        layer_module.planned_moe = planned_unless_control
     return twin
 
 
@@ -262,8 +269,8 @@ def main() -> None:
     parser.add_argument(
         "--plan-control",
         action="store_true",
-        help="also time the LoRA model with the decode plan off (every layer on the general path; informational): "
-        "the plan's gain, measured in the same run",
+        help="also time the LoRA and copy models with the decode plan off (every layer on the general path; "
+        "informational): the plan's gain, measured in the same run",
     )
     args = parser.parse_args()
     threads = pin_threads(args.threads)
@@ -275,12 +282,12 @@ def main() -> None:
         if copy_model is None:
             parser.error("--copy-controls needs a copy-expert model: pass a copy adapter in --adapters")
         models.update(copy_controls(copy_model))
+    twins = {}  # general-path control: its model's name
     if args.plan_control:
-        lora_model = next((m for name, m in models.items() if name.startswith("lora")), None)
-        if lora_model is None:
-            parser.error("--plan-control needs a LoRA-expert model: pass a LoRA adapter in --adapters")
-        models[GENERAL] = general_path_control(lora_model)
-    informational = (CONTROL, COPY_ZERO, COPY_CLONED, COPY_ALIASED, GENERAL)
+        for name in [n for n in models if n.split()[0] in ("lora", "copy") and "(control)" not in n]:
+            twins[name.split()[0] + GENERAL] = name
+        models.update({twin: general_path_control(models[name]) for twin, name in twins.items()})
+    informational = (CONTROL, COPY_ZERO, COPY_CLONED, COPY_ALIASED, *twins)
 
     rows = []
     for batch in args.batches:
@@ -309,10 +316,9 @@ def main() -> None:
             return out
 
         shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k not in ("base", CONTROL)}
-        if GENERAL in models:  # the plan changes how, never what: the same tokens on both paths
-            lora_model = next(m for name, m in models.items() if name.startswith("lora"))
-            if not torch.equal(generate(lora_model), generate(models[GENERAL])):
-                raise RuntimeError("the LoRA model generated other tokens with the decode plan than without it")
+        for twin, name in twins.items():  # the plan changes how, never what: the same tokens on both paths
+            if not torch.equal(generate(models[name]), generate(models[twin])):
+                raise RuntimeError(f"the {name} model generated other tokens with the decode plan than without it")
         calls = {kind: lambda criteria, m=model: generate(m, criteria) for kind, model in models.items()}
         timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:

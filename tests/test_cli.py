@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig
-from ubmoe_peft.cli import ModelArgs, _next, run
+from ubmoe_peft.cli import EvalArgs, ModelArgs, _next, _report, run
 
 FAST = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
 
@@ -196,6 +196,8 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-sts", "--data", "{bad}/empty_cell.tsv"], ValueError, "row 1 .* has an empty 'sentence2'"),
         (["eval-sts", "--data", "{bad}/no_score.tsv"], ValueError, "row 0 .* has an empty 'score'"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
+        (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
+        (["eval-sts", "--data", "{bad}/mixed"], ValueError, "'.*mixed': datasets failed to build it"),
         (["eval-lm", "--data", "{bad}/unlabeled.jsonl"], ValueError, "Row 0: label -1 is not a 0-based index of its 2"),
         (["eval-lm", "--data", "{bad}/one_choice.jsonl"], ValueError, "Row 0: choices must be a list of at least 2"),
         (["train-router", "--adapter", "a", "--data", "{bad}/no_turns.jsonl"], ValueError, "empty 'messages'"),
@@ -224,6 +226,10 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "no_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t\n")
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")
+    (bad / "mixed").mkdir()  # a folder of two files with other columns
+    (bad / "mixed" / "a.jsonl").write_text(json.dumps({"sentence1": w(3), "sentence2": w(4), "score": 1.0}) + "\n")
+    (bad / "mixed" / "b.jsonl").write_text(json.dumps({"text": w(5)}) + "\n")
     (bad / "unlabeled.jsonl").write_text(json.dumps({"question": w(3), "choices": [w(4), w(5)], "label": -1}) + "\n")
     (bad / "one_choice.jsonl").write_text(json.dumps({"question": w(3), "choices": [w(4)], "label": 0}) + "\n")
     (bad / "no_turns.jsonl").write_text(json.dumps({"messages": []}) + "\n")
@@ -256,6 +262,17 @@ def test_a_wrong_model_folder_is_named_with_the_fix(files, tmp_path):
         run([*sts, "--model", files["model"]])
     with pytest.raises(ValueError, match="'no-such-model' is not a local folder .* Pass a model folder"):
         run([*sts, "--model", "no-such-model"])
+
+
+def test_results_that_are_not_finite_are_written_as_json_null(tmp_path, capsys):
+    output = tmp_path / "results.json"
+    results = {"uni": {"loss": 1.5, "perplexity": float("inf")}, "moe": {"loss": float("nan"), "perplexity": 4.0}}
+    _report(results, EvalArgs(output=str(output)), "LM")
+    assert "| uni | 1.50 | inf |" in capsys.readouterr().out
+    assert json.loads(output.read_text()) == {  # Python's json would write bare Infinity / NaN, which is not JSON
+        "uni": {"loss": 1.5, "perplexity": None},
+        "moe": {"loss": None, "perplexity": 4.0},
+    }
 
 
 def test_the_next_command_keeps_the_model_options():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 import sys
 import typing
@@ -255,7 +256,8 @@ def _modes(args: EvalArgs, default: list[str]) -> list[str]:
 
 
 def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, Any]:
-    """Print ``{mode: {metric: value}}`` as a markdown table (and write it as JSON to ``--output``)."""
+    """Print ``{mode: {metric: value}}`` as a markdown table (and write it as JSON to ``--output``, a value that is
+    not finite, such as an overflowing perplexity, as null)."""
     columns = list(dict.fromkeys(key for values in results.values() for key in values))
     lines = [f"\n{title}\n", "| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for mode, values in results.items():
@@ -265,7 +267,11 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
     if args.output:
         from .io import atomic_write_text
 
-        atomic_write_text(args.output, json.dumps(results, indent=2))
+        finite = {  # JSON has no NaN or infinity (Python would write bare NaN / Infinity, which parsers refuse)
+            mode: {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in values.items()}
+            for mode, values in results.items()
+        }
+        atomic_write_text(args.output, json.dumps(finite, indent=2))
     return results
 
 

@@ -27,6 +27,7 @@ COLUMNS = {
 def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
     from datasets import load_dataset, load_from_disk
+    from datasets.exceptions import DatasetGenerationError
 
     if spec is None:
         spec = str(DEMO_DATA / DEMO_FILES["sft" if task in ("lm", "texts") else task])
@@ -58,6 +59,11 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
             rows = load_from_disk(str(path))
         else:
             rows = load_dataset(spec, split=split)
+    except DatasetGenerationError as err:  # e.g. a folder of files of different formats or columns
+        raise ValueError(
+            f"Cannot read data {spec!r}: datasets failed to build it ({err.__cause__ or err}). A folder must hold "
+            "files of one format with the same columns; or pass a single file."
+        ) from err
     except (FileNotFoundError, ConnectionError) as err:
         raise ValueError(
             f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
@@ -72,6 +78,9 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
     return rows
 
 
+_TEXT_COLUMNS = {"anchor", "positive", "negative", "sentence1", "sentence2", "text", "question"}
+
+
 def _check_cells(rows: Any, spec: str) -> None:
     """Refuse a missing or empty cell: read on, it would be the text "None", a crash deep in a trainer, or an empty
     text scored as if it were data."""
@@ -84,6 +93,11 @@ def _check_cells(rows: Any, spec: str) -> None:
                 raise ValueError(
                     f"Data {spec!r}: row {i} (counting from 0) has an empty {column!r} ({value!r}). Fill it in or "
                     "drop the row."
+                )
+            if column in _TEXT_COLUMNS and not isinstance(value, str):  # a number would be embedded as its digits
+                raise ValueError(
+                    f"Data {spec!r}: row {i} (counting from 0) has {type(value).__name__} {value!r} in {column!r}, "
+                    "which holds texts. Write it as a string (in quotes, for JSON) or drop the row."
                 )
             if column == "messages":
                 _check_turns(value, i, spec)
