@@ -269,24 +269,22 @@ def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def save_pretrained(self: Any, save_directory: str, safe_serialization: bool = True, **kwargs: Any) -> None:
-        if not safe_serialization:  # PEFT would torch.save a pickle in place: not atomic, and never loaded back
-            selected = kwargs.get("selected_adapters") or list(self.peft_config)
-            ubmoe = [name for name in selected if getattr(self.peft_config.get(name), "peft_type", None) == UBMOE_TYPE]
-            if ubmoe:
-                raise ValueError(
-                    f"save_pretrained({save_directory!r}, safe_serialization=False) would write the UBMoE adapters "
-                    f"{ubmoe} as {PICKLE_WEIGHTS_NAME}, a pickle, which ubmoe-peft never loads (unpickling can run "
-                    f"code) and cannot write atomically. Nothing was written; save with safe_serialization=True (the "
-                    f"default) for {WEIGHTS_NAME}."
-                )
+        selected = kwargs.get("selected_adapters") or list(self.peft_config)
+        ubmoe = [name for name in selected if getattr(self.peft_config.get(name), "peft_type", None) == UBMOE_TYPE]
+        if ubmoe and not safe_serialization:  # PEFT would torch.save a pickle in place: not atomic, never loaded back
+            raise ValueError(
+                f"save_pretrained({save_directory!r}, safe_serialization=False) would write the UBMoE adapters "
+                f"{ubmoe} as {PICKLE_WEIGHTS_NAME}, a pickle, which ubmoe-peft never loads (unpickling can run "
+                f"code) and cannot write atomically. Nothing was written; save with safe_serialization=True (the "
+                f"default) for {WEIGHTS_NAME}."
+            )
         # PEFT writes each adapter's weights, then its config: a save killed between the two renames leaves new
         # weights beside an older config. The weights carry the settings they were saved with; the loader compares.
-        pending = {}
-        for name in kwargs.get("selected_adapters") or list(self.peft_config):
-            config = self.peft_config.get(name)
-            if getattr(config, "peft_type", None) == UBMOE_TYPE:
-                folder = save_directory if name == "default" else os.path.join(save_directory, name)
-                pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings_json(config.to_dict())
+        pending = {}  # weights path: settings (PEFT puts an adapter not named "default" in a subfolder)
+        for name in ubmoe:
+            folder = save_directory if name == "default" else os.path.join(save_directory, name)
+            settings = settings_json(self.peft_config[name].to_dict())
+            pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
         token = _PENDING_SETTINGS.set(pending)
         try:
             return original(self, save_directory, safe_serialization=safe_serialization, **kwargs)

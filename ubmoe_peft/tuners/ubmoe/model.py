@@ -419,10 +419,9 @@ def base_signature(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def signature_differences(saved: dict[str, Any] | None, model: nn.Module) -> list[str]:
-    """The entries in which ``model`` differs from a saved base signature. Only entries both have count: files saved
-    before an entry was added (intermediate_size) are still checked on the others."""
-    current = base_signature(model)
+def signature_differences(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """The entries in which a model's ``current`` base signature differs from a saved one. Only entries both have
+    count: files saved before an entry was added (intermediate_size) are still checked on the others."""
     return sorted(k for k in current if k in (saved or {}) and saved[k] != current[k])
 
 
@@ -461,7 +460,7 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
         problems.append(f"{len(unexpected)} tensors have no place in the model (e.g. {unexpected[0]}).")
     if missing:
         problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
-    if problems and signature_differences(config.base_model_signature, model):
+    if problems and signature_differences(config.base_model_signature, base_signature(model)):
         raise _mismatch(config, model, " ".join(problems))
     if wrong and all(".modules_to_save." in k for k in wrong):  # e.g. a head or embeddings of another vocabulary
         raise AdapterMismatchError(
@@ -509,7 +508,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
         config.base_model_signature = signature
     else:
         saved = config.base_model_signature
-        differ = signature_differences(saved, model)
+        differ = signature_differences(saved, signature)
         if differ:
             raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
     if config.target_modules is None:
