@@ -284,3 +284,38 @@ def test_export_refuses_qwen3_with_sliding_window_layers():
     model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
     with pytest.raises(ValueError, match="Qwen3 model with use_sliding_window=True"):
         model.merge_and_unload()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
+def test_mode_bi_at_prefill_sizes_computes_with_the_merged_weights(arch, monkeypatch):
+    """At inference, a call with as many rows as the product B A costs (`_merge_pays`: 22 for this 32 -> 64 FFN)
+    runs each LoRA projection once on `merged_weight`, the weight the bi merge writes: mode bi then gives the merged
+    model's bits. Fewer rows take the rank-r path, equal within rounding; tokens routed to uni never merge."""
+    from ubmoe_peft.tuners.ubmoe import lora as lora_module
+
+    model = wrapped(arch, "lora")
+    decided = []
+    original = lora_module._merge_pays
+    monkeypatch.setattr(lora_module, "_merge_pays", lambda *args: decided.append(original(*args)) or decided[-1])
+    ubmoe_peft.set_mode(model, "bi")
+    large, small = batch(b=3, t=9, padding=None), batch(b=2, t=9, padding=None)  # 27 and 18 rows per FFN call
+    expected = {rows: hidden(model, ids, mask) for rows, (ids, mask) in (("large", large), ("small", small))}
+    assert decided == [True] * 6 + [False] * 6  # 2 layers x 3 projections, per batch
+    ubmoe_peft.set_mode(model, "moe")
+    decided.clear()
+    hidden(model, *large)  # mixed routing: the per-token scale column, never merged
+    assert decided and not any(decided)
+    merged = model.merge_and_unload(target="bi")
+    torch.testing.assert_close(hidden(merged, *large), expected["large"], rtol=0, atol=0)
+    torch.testing.assert_close(hidden(merged, *small), expected["small"], rtol=1e-4, atol=1e-5)
+
+
+def test_merge_pays_only_for_whole_calls_in_full_precision():
+    from ubmoe_peft.tuners.ubmoe.lora import _merge_pays
+
+    weight, b = torch.zeros(64, 32), torch.zeros(64, 8)  # (C_out, C_in), (C_out, r): break-even 32 * 64 / 96 rows
+    assert _merge_pays(22, weight, b, 2.0) and not _merge_pays(21, weight, b, 2.0)
+    assert not _merge_pays(1000, weight, b, torch.full((1000, 1), 2.0))  # a per-token column: some rows are uni
+    assert not _merge_pays(1000, weight.bfloat16(), b.bfloat16(), 2.0)  # a bf16 merged weight would round the delta
+    assert not _merge_pays(1000, weight.bfloat16(), b, 2.0)  # the rank-r side in fp32 keeps its precision
+    assert _merge_pays(1000, weight.double(), b.double(), 2.0)

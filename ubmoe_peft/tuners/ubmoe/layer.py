@@ -15,13 +15,14 @@ says whether to scale the chosen expert up or down (``router_gradient="scale"``)
 both experts instead (``"compare"``, `UBMoELayer._compare`): same value, gradient from their difference.
 
 Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections, so the FFN runs once and each
-projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection, which
-keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base FFN's,
-and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs only on
-its rows. At inference, Llama-style gated MLPs run written out instead of through modules and hooks
-(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step. At decode sizes top-1
-mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same outputs, with the
-lookups and hook checks of every call done once.
+projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection,
+which keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base
+FFN's, and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs
+only on its rows. At inference, Llama-style gated MLPs run written out instead of through modules and hooks
+(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step, and a call with every
+token routed to the LoRA expert and enough tokens runs each projection on the merged weight (`lora._project`). At
+decode sizes top-1 mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same
+outputs, with the lookups and hook checks of every call done once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .lora import (
     _is_gated_mlp,
     _lora_delta,
     _lora_pair,
+    merged_weight,
 )
 from .state import ModeState
 
@@ -373,8 +375,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     # ---- merging (mode bi as a plain FFN) ----------------------------------------------------------------------
     def bi_weights(self, adapter: str, check_finite: bool = False) -> dict[str, torch.Tensor]:
         """{projection name in the FFN: weight of the bi expert}, in the base's dtype: the copy's weights, or
-        ``W + scale * B A`` (computed in fp32) for LoRA-adapted projections and ``W`` for the others. Nothing is
-        written; every check of a merge or an export happens here, before anything changes."""
+        ``W + scale * B A`` (`merged_weight`, at least fp32 math) for LoRA-adapted projections and ``W`` for the
+        others. Nothing is written; every check of a merge or an export happens here, before anything changes."""
         quantized = [name for name, module in self.base_layer.named_modules() if is_quantized_linear(module)]
         if quantized:
             raise ValueError(
@@ -388,8 +390,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         lora_a = self.ubmoe_lora_A[adapter] if adapter in self.ubmoe_lora_A else {}
         for key, a in lora_a.items():
             name = _module_name(key)
-            delta = (self.ubmoe_lora_B[adapter][key].weight @ a.weight).float() * self.scaling[adapter]  # (out, in)
-            weights[name] = (weights[name].float() + delta).to(weights[name].dtype)  # (out, in)
+            b = self.ubmoe_lora_B[adapter][key].weight
+            weights[name] = merged_weight(weights[name], a.weight, b, self.scaling[adapter])  # (out, in)
         if check_finite:
             broken = [name for name, weight in weights.items() if not bool(torch.isfinite(weight).all())]
             if broken:
@@ -411,7 +413,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         return self.base_layer
 
     def attention_weights(self, adapter: str, check_finite: bool = False) -> dict[str, torch.Tensor]:
-        """{projection name in the attention: ``W + scale * B A``} (fp32 math, the base's dtype) for the mode-bi
+        """{projection name in the attention: ``W + scale * B A``} (`merged_weight`) for the mode-bi
         attention adapter; empty without one. Nothing is written."""
         if adapter not in self.ubmoe_attn_A:
             return {}
@@ -423,8 +425,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                     f"Cannot merge layer {self.layer_idx}'s attention adapter into the quantized {_module_name(key)}; "
                     "load the base model without quantization, load the adapter onto it, then merge."
                 )
-            delta = (self.ubmoe_attn_B[adapter][key].weight @ a.weight).float() * self.attention_scaling[adapter]
-            weights[_module_name(key)] = (proj.weight.detach().float() + delta).to(proj.weight.dtype)  # (out, in)
+            b, scale = self.ubmoe_attn_B[adapter][key].weight, self.attention_scaling[adapter]
+            weights[_module_name(key)] = merged_weight(proj.weight.detach(), a.weight, b, scale)  # (out, in)
         if check_finite and not all(bool(torch.isfinite(w).all()) for w in weights.values()):
             raise ValueError(
                 f"The attention adapter of {adapter!r} has NaN/inf weights in layer {self.layer_idx} (safe_merge=True "

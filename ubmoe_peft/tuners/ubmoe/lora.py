@@ -166,15 +166,47 @@ def _gated_mlp_math(
         )  # (N, I)
         return F.linear(hidden, down_p["weight"], down_p["bias"])  # (N, C)
     on_gate, on_up, on_down = deltas
-    g = F.linear(flat, gate_p["weight"], gate_p["bias"])  # (N, I)
-    if on_gate is not None:
-        g = _add_lora(g, flat, on_gate[0], on_gate[1], scale)
-    u = F.linear(flat, up_p["weight"], up_p["bias"])  # (N, I)
-    if on_up is not None:
-        u = _add_lora(u, flat, on_up[0], on_up[1], scale)
-    hidden = act.forward(g) * u  # (N, I)
-    out = F.linear(hidden, down_p["weight"], down_p["bias"])  # (N, C)
-    return out if on_down is None else _add_lora(out, hidden, on_down[0], on_down[1], scale)
+    hidden = act.forward(_project(flat, gate_p, on_gate, scale)) * _project(flat, up_p, on_up, scale)  # (N, I)
+    return _project(hidden, down_p, on_down, scale)  # (N, C)
+
+
+def _project(flat: torch.Tensor, params: dict, delta: tuple | None, scale: float | torch.Tensor) -> torch.Tensor:
+    """One projection of `_gated_mlp_math`: ``flat W^T + bias`` with the LoRA pair ``delta`` = (A weight, B weight)
+    added at ``scale`` (none: the base projection).
+
+    Where every row takes the delta (a float ``scale``) and the rows outnumber what the product ``B A`` costs
+    (`_merge_pays`), the projection runs once on ``W + scale * B A`` (`merged_weight`, what a merge into a dense
+    model computes) instead of adding the rank-r path: at prefill and embedding sizes that path's two thin matmuls
+    and its extra pass over the (N, C_out) output cost more than building the merged weight, which is freed when the
+    projection returns (benchmarks/bench_prefill.py, docs/performance.md).
+    """
+    weight, bias = params["weight"], params["bias"]
+    if delta is None:
+        return F.linear(flat, weight, bias)
+    a, b = delta
+    if _merge_pays(flat.shape[0], weight, b, scale):
+        return F.linear(flat, merged_weight(weight, a, b, scale), bias)
+    return _add_lora(F.linear(flat, weight, bias), flat, a, b, scale)
+
+
+def _merge_pays(rows: int, weight: torch.Tensor, b: torch.Tensor, scale: float | torch.Tensor) -> bool:
+    """Whether `_project` runs on the merged weight: every row takes the delta (a float scale), the weight and the
+    LoRA weights share a dtype of at least fp32 (so the merged weight holds the delta as exactly as the rank-r path
+    does), and ``rows * (C_in + C_out) >= C_in * C_out``: the rank-r path's matmuls then cost at least the product
+    ``B A``, and the merged weight takes no more memory than the projection's input and output together."""
+    if isinstance(scale, torch.Tensor) or weight.dtype != b.dtype or torch.finfo(weight.dtype).bits < 32:
+        return False
+    c_out, c_in = weight.shape
+    return rows * (c_in + c_out) >= c_in * c_out
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B A`` for W (C_out, C_in), A (r, C_in), B (C_out, r), computed in at least fp32 and returned in
+    W's dtype: the bi expert's weight in a merge or an export (`UBMoELayer.bi_weights`) and in `_project`, one
+    function so that both give the same bits."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    with torch.no_grad():  # a weight to compute with or to write, never to differentiate
+        return torch.addmm(weight.to(dtype), b.to(dtype), a.to(dtype), alpha=scale).to(weight.dtype)  # (C_out, C_in)
 
 
 def _intercepted(*modules: nn.Module) -> bool:
