@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import threading
-import time
 from typing import Any
 
 import torch
@@ -31,13 +29,13 @@ from common import (
     base_parser,
     build_model,
     emit,
+    lockstep_times,
     machine,
     paired_times,
     pin_threads,
     ratio_stats,
     row,
     set_share,
-    sync,
     token_batch,
     wrap,
 )
@@ -53,6 +51,17 @@ COPY_ZERO = "copy, routers zeroed (control)"
 COPY_CLONED, COPY_ALIASED = "copy, bi = base FFN cloned (control)", "copy, bi = base FFN aliased (control)"
 GENERAL = ", general path (control)"  # after the model's expert type
 _GENERAL_LAYERS: set[int] = set()  # ids of the layers that never take the decode plan
+
+
+class HandOver(StoppingCriteria):
+    """Ends a model's lockstep turn after each step's token is chosen (``generate`` calls it once per step)."""
+
+    def __init__(self, handover: Any) -> None:
+        self.handover = handover
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.handover()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # never stops
 
 
 def general_path_control(model: nn.Module) -> nn.Module:
@@ -91,80 +100,6 @@ def decode_share(model: nn.Module, generate: Any) -> dict[str, float]:
     finally:
         handle.remove()
     return {"mean": sum(shares) / max(len(shares), 1), "mixed_layer_steps": sum(mixed) / max(len(mixed), 1)}
-
-
-class Lockstep:
-    """Runs several ``generate`` calls one step at a time in turn (see the module docstring); times each one's turns."""
-
-    def __init__(self, names: list[str], device: str = "cpu") -> None:
-        self.names, self.cond, self.device = names, threading.Condition(), device
-        self.turn, self.done = 0, set()
-        self.seconds = dict.fromkeys(names, 0.0)
-        self.started = 0.0
-
-    def _wait(self, name: str) -> None:  # called holding the lock
-        self.cond.wait_for(lambda: self.names[self.turn] == name)
-        sync(self.device)  # on a GPU: the previous turn's kernels are done before this turn's clock starts
-        self.started = time.perf_counter()
-
-    def _pass(self, name: str) -> None:  # called holding the lock, at the end of this model's turn
-        sync(self.device)
-        self.seconds[name] += time.perf_counter() - self.started
-        if len(self.done) == len(self.names):
-            return
-        self.turn = (self.turn + 1) % len(self.names)
-        while self.names[self.turn] in self.done:
-            self.turn = (self.turn + 1) % len(self.names)
-        self.cond.notify_all()
-
-    def criterion(self, name: str) -> StoppingCriteria:
-        lockstep = self
-
-        class HandOver(StoppingCriteria):
-            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-                with lockstep.cond:
-                    lockstep._pass(name)
-                    lockstep._wait(name)
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # never stops
-
-        return HandOver()
-
-    def run(self, calls: dict[str, Any]) -> dict[str, float]:
-        """``calls``: name -> f(stopping_criteria) running one generate; returns each one's seconds."""
-        errors: list[BaseException] = []
-
-        def worker(name: str) -> None:
-            try:
-                with self.cond:
-                    self._wait(name)
-                calls[name]([self.criterion(name)])
-            except BaseException as exc:  # reported in the main thread
-                errors.append(exc)
-            finally:
-                with self.cond:
-                    self.done.add(name)
-                    self._pass(name)
-
-        threads = [threading.Thread(target=worker, args=(name,)) for name in self.names]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return self.seconds
-
-
-def lockstep_times(calls: dict[str, Any], warmup: int, repeats: int, device: str = "cpu") -> list[Case]:
-    cases = {name: Case(name, lambda: None) for name in calls}
-    for round_idx in range(warmup + repeats):
-        names = list(calls)
-        shift = round_idx % len(names)  # rotate which model takes the first turn
-        seconds = Lockstep(names[shift:] + names[:shift], device).run(calls)
-        if round_idx >= warmup:
-            for name, value in seconds.items():
-                cases[name].times.append(value)
-    return list(cases.values())
 
 
 def random_models(args: Any) -> dict[str, nn.Module]:
@@ -319,7 +254,7 @@ def main() -> None:
         for twin, name in twins.items():  # the plan changes how, never what: the same tokens on both paths
             if not torch.equal(generate(models[name]), generate(models[twin])):
                 raise RuntimeError(f"the {name} model generated other tokens with the decode plan than without it")
-        calls = {kind: lambda criteria, m=model: generate(m, criteria) for kind, model in models.items()}
+        calls = {kind: lambda handover, m=model: generate(m, [HandOver(handover)]) for kind, model in models.items()}
         timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:
             whole = [Case(kind, lambda m=model: generate(m)) for kind, model in models.items()]

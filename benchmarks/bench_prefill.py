@@ -1,12 +1,21 @@
 """Question 1: does a top-1 mode-moe prefill cost what the base model's does, at any routing share?
 
-Cases, all timed round-robin in one process: the base model; UBMoE LoRA and copy experts in mode moe with 0%, 50%
-and 100% of tokens routed to the bi expert; and a deliberately naive top-1 that runs both experts on every token and
-then picks one per token (written here, not in the library) - the cost the library avoids.
+Cases: the base model; UBMoE LoRA and copy experts in mode moe with 0%, 50% and 100% of tokens routed to the bi
+expert; and a deliberately naive top-1 that runs both experts on every token and then picks one per token (written
+here, not in the library) - the cost the library avoids. ``--merge-control`` adds the LoRA expert at 100% bi with
+the merged-weight projections off (every projection on the rank-r path, `lora._project`): what they save, measured
+in the same run. Each case has its own model (same weights, same seed).
+
+Timing (``--timing lockstep``, the default): the cases' forwards of a round run in lockstep, one decoder layer per
+turn (`common.Lockstep`, as ``bench_decode.py`` runs its steps), so layer l of every case runs back to back and a slow
+spell of a shared machine hits them alike; a case's time is the sum of its turns. Whole forwards timed round-robin
+(``--timing round-robin``, 1-2 s each on 2 CPU cores) let the per-round ratios spread by about +-7% on a shared VM.
+On a GPU, where turns would drain the device's queue at every layer, use round-robin.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Any
 
@@ -18,6 +27,7 @@ from common import (
     base_parser,
     build_model,
     emit,
+    lockstep_times,
     machine,
     paired_times,
     pin_threads,
@@ -30,8 +40,10 @@ from common import (
 from torch import nn
 
 import ubmoe_peft
+from ubmoe_peft.tuners.ubmoe import lora as lora_module
 
 TARGETS = {"lora": 1.05, "copy": 1.03}
+CONTROL = "lora 100%, rank-r path (control)"
 
 
 def naive_forward(self: ubmoe_peft.UBMoELayer, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -45,12 +57,39 @@ def naive_forward(self: ubmoe_peft.UBMoELayer, x: torch.Tensor, *args: Any, **kw
     return torch.where(to_bi.unsqueeze(-1), bi, uni)  # (B, T, C)
 
 
-def set_naive(model: nn.Module, naive: bool) -> None:
+def set_naive(model: nn.Module) -> nn.Module:
     for layer in ubmoe_peft.modes.ubmoe_layers(model):
-        if naive:
-            layer.forward = types.MethodType(naive_forward, layer)
-        else:
-            layer.__dict__.pop("forward", None)
+        layer.forward = types.MethodType(naive_forward, layer)
+    return model
+
+
+_MERGE_PAYS = lora_module._merge_pays
+_RANK_R_ONLY = threading.local()  # set in the control's thread (lockstep) or around its call (round-robin)
+
+
+def _merge_pays(*args: Any) -> bool:
+    """The library's choice of merged-weight projections, except in the control's calls: the rank-r path there."""
+    return not getattr(_RANK_R_ONLY, "on", False) and _MERGE_PAYS(*args)
+
+
+lora_module._merge_pays = _merge_pays  # the library looks it up at each call
+
+
+def rank_r_only(run: Any) -> Any:
+    """``run`` with every projection on the rank-r path (the ``--merge-control`` case)."""
+
+    def control(*args: Any) -> Any:
+        _RANK_R_ONLY.on = True
+        try:
+            return run(*args)
+        finally:
+            _RANK_R_ONLY.on = False
+
+    return control
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def prefill_flops(model: nn.Module, batch: int, seq: int) -> float:
@@ -67,45 +106,57 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H200: 989)")
+    parser.add_argument("--merge-control", action="store_true", help="add LoRA 100%% with merged projections off")
+    parser.add_argument("--timing", choices=["lockstep", "round-robin"], default="lockstep", help="see the docstring")
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     build = dict(shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype)
-    base = build_model(**build)
-    models = {kind: wrap(build_model(**build), kind) for kind in ("lora", "copy")}
-    ids = token_batch(args.batch, args.seq, base.config.vocab_size, args.device)  # (B, T)
-
-    def forward(model: nn.Module) -> Any:
-        with torch.inference_mode():
-            return model(input_ids=ids, logits_to_keep=1, use_cache=False)
-
-    def configure(kind: str, share: float, naive: bool = False) -> None:
-        set_share(models[kind], share)
-        set_naive(models[kind], naive)
-
-    cases = [Case("base", lambda: forward(base))]
-    for kind in models:
+    models = {"base": build_model(**build)}
+    for kind in ("lora", "copy"):
         for share in SHARES:
-            cases.append(
-                Case(f"{kind} {share:.0%}", lambda k=kind: forward(models[k]), lambda k=kind, s=share: configure(k, s))
-            )
-        cases.append(
-            Case(f"{kind} naive 50%", lambda k=kind: forward(models[k]), lambda k=kind: configure(k, 0.5, True))
-        )
+            models[f"{kind} {share:.0%}"] = wrap(build_model(**build), kind)
+            set_share(models[f"{kind} {share:.0%}"], share)
+        models[f"{kind} naive 50%"] = set_naive(wrap(build_model(**build), kind))
+        set_share(models[f"{kind} naive 50%"], 0.5)
+    if args.merge_control:
+        models[CONTROL] = wrap(build_model(**build), "lora")
+        set_share(models[CONTROL], 1.0)
+    ids = token_batch(args.batch, args.seq, models["base"].config.vocab_size, args.device)  # (B, T)
+
+    def forward(model: nn.Module, handover: Any = None) -> Any:
+        """One prefill; in lockstep, the turn passes after each decoder layer (forward hooks, removed after)."""
+        layers = decoder_layers(model) if handover is not None else []
+        handles = [layer.register_forward_hook(lambda *_: handover()) for layer in layers]
+        try:
+            with torch.inference_mode():
+                return model(input_ids=ids, logits_to_keep=1, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    runs = {name: (rank_r_only(forward) if name == CONTROL else forward) for name in models}
     shares = {}
-    for case in cases[1:]:
-        case.setup()
-        forward(models[case.name.split()[0]])
-        shares[case.name] = achieved_share(models[case.name.split()[0]])
-    paired_times(cases, args.warmup, args.repeats, args.device)
+    for name, model in models.items():
+        if name != "base":
+            runs[name](model)
+            shares[name] = achieved_share(model)
+    if args.timing == "lockstep":
+        calls = {name: lambda handover, n=name: runs[n](models[n], handover) for name in models}
+        cases = lockstep_times(calls, args.warmup, args.repeats, args.device)
+    else:
+        cases = [Case(name, lambda n=name: runs[n](models[n])) for name in models]
+        paired_times(cases, args.warmup, args.repeats, args.device)
+    base = models["base"]
 
     base_case, rows = cases[0], []
     base_ms = 1000 * torch.tensor(base_case.times).median().item()
     for case in cases[1:]:
         kind = case.name.split()[0]
         stats = ratio_stats(case, base_case)
-        naive = "naive" in case.name
+        naive, control = "naive" in case.name, case.name == CONTROL
         target = "informational (expected >= 1.5)" if naive else f"<= {TARGETS[kind]}"
-        ok = None if naive else stats["ratio"] <= TARGETS[kind]
+        target = "informational (control)" if control else target
+        ok = None if naive or control else stats["ratio"] <= TARGETS[kind]
         ms = 1000 * torch.tensor(case.times).median().item()
         rows.append(
             row("prefill", case.name, "latency ms", ms, "base", base_ms, stats, target, ok, bi_share=shares[case.name])

@@ -1,8 +1,10 @@
 """Shared pieces of the benchmark scripts: thread pinning, random models, forced routing, paired timing, peak memory.
 
 Every figure the suite reports is a ratio against a baseline measured in the same process and the same run. Cases
-are timed round-robin (base, variant A, variant B, base, ...) so that a slow spell of a shared machine hits every case
-of a round alike; the ratio of a case is the median over rounds of ``t_case / t_base`` within the round.
+are timed round-robin (base, variant A, variant B, base, ...; `paired_times`) or, for prefill and decode, in lockstep
+(`Lockstep`: the calls of a round take turns a decoder layer or a decode step at a time), so that a slow spell of a
+shared machine hits every case of a round alike; the ratio of a case is the median over rounds of
+``t_case / t_base`` within the round.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -193,6 +196,79 @@ def paired_times(cases: list[Case], warmup: int, repeats: int, device: str = "cp
             if round_idx >= warmup:
                 case.times.append(time.perf_counter() - start)
     return cases
+
+
+class Lockstep:
+    """Runs several timed calls in turn, one slice at a time: each call runs in its own thread and ends its turn by
+    calling the ``handover`` it is given (at each ``generate`` step, or after each decoder layer), which hands the turn
+    to the next call. Only one call computes at a time, and slice s of every call runs back to back before slice
+    s + 1 of any, so a slow spell of a shared machine hits every call's slice alike. A call's time is the sum of its
+    turns, without the waits for the others."""
+
+    def __init__(self, names: list[str], device: str = "cpu") -> None:
+        self.names, self.cond, self.device = names, threading.Condition(), device
+        self.turn, self.done = 0, set()
+        self.seconds = dict.fromkeys(names, 0.0)
+        self.started = 0.0
+
+    def _wait(self, name: str) -> None:  # called holding the lock
+        self.cond.wait_for(lambda: self.names[self.turn] == name)
+        sync(self.device)  # on a GPU: the previous turn's kernels are done before this turn's clock starts
+        self.started = time.perf_counter()
+
+    def _pass(self, name: str) -> None:  # called holding the lock, at the end of this call's turn
+        sync(self.device)
+        self.seconds[name] += time.perf_counter() - self.started
+        if len(self.done) == len(self.names):
+            return
+        self.turn = (self.turn + 1) % len(self.names)
+        while self.names[self.turn] in self.done:
+            self.turn = (self.turn + 1) % len(self.names)
+        self.cond.notify_all()
+
+    def handover(self, name: str) -> None:
+        """End ``name``'s turn and wait for its next one."""
+        with self.cond:
+            self._pass(name)
+            self._wait(name)
+
+    def run(self, calls: dict[str, Callable[[Callable[[], None]], Any]]) -> dict[str, float]:
+        """``calls``: name -> f(handover) running one timed call; returns each one's seconds."""
+        errors: list[BaseException] = []
+
+        def worker(name: str) -> None:
+            try:
+                with self.cond:
+                    self._wait(name)
+                calls[name](lambda: self.handover(name))
+            except BaseException as exc:  # reported in the main thread
+                errors.append(exc)
+            finally:
+                with self.cond:
+                    self.done.add(name)
+                    self._pass(name)
+
+        threads = [threading.Thread(target=worker, args=(name,)) for name in self.names]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return self.seconds
+
+
+def lockstep_times(calls: dict[str, Any], warmup: int, repeats: int, device: str = "cpu") -> list[Case]:
+    """Rounds of `Lockstep` over ``calls`` (rotating which call takes the first turn); warm-up rounds dropped."""
+    cases = {name: Case(name, lambda: None) for name in calls}
+    for round_idx in range(warmup + repeats):
+        names = list(calls)
+        shift = round_idx % len(names)
+        seconds = Lockstep(names[shift:] + names[:shift], device).run(calls)
+        if round_idx >= warmup:
+            for name, value in seconds.items():
+                cases[name].times.append(value)
+    return list(cases.values())
 
 
 def ratio_stats(case: Case, base: Case) -> dict[str, float]:

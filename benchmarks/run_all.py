@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 # script -> extra arguments; warm-up/repeat counts chosen so the whole suite stays near 15 minutes on 2 cores.
 SUITE: dict[str, list[str]] = {
-    "bench_prefill.py": ["--warmup", "2", "--repeats", "21"],
+    "bench_prefill.py": ["--warmup", "2", "--repeats", "21", "--merge-control"],
     "bench_decode.py": ["--warmup", "1", "--repeats", "7"],
     "bench_train_contrastive.py": ["--warmup", "1", "--repeats", "5"],
     "bench_train_router.py": ["--warmup", "1", "--repeats", "5"],
