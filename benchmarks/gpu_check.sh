@@ -30,10 +30,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a time cap, keep going on fai
 }
 
 GPU=(--device cuda --dtype bfloat16 --shape qwen2-1.5b --threads 4)
+PREFILL=(--timing round-robin)  # lockstep would drain the GPU queue at every layer
 # Question 1 at the CPU suite's batch (8 x 256), then at 8 x 2048 where the base prefill can approach the peak.
-step prefill_8x256 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 --seq 256 --warmup 3 --repeats 15 \
+step prefill_8x256 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" "${PREFILL[@]}" --batch 8 --seq 256 --warmup 3 --repeats 15 \
     --peak-tflops "$PEAK" --out "$DEST/prefill_8x256.json"
-step prefill_8x2048 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" --batch 8 --seq 2048 --warmup 3 --repeats 10 \
+step prefill_8x2048 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" "${PREFILL[@]}" --batch 8 --seq 2048 --warmup 3 --repeats 10 \
     --peak-tflops "$PEAK" --out "$DEST/prefill_8x2048.json"
 # Question 2: greedy decode with KV cache, 128 new tokens, batch 1 and 8.
 step decode 150 "$PY" benchmarks/bench_decode.py "${GPU[@]}" --warmup 1 --repeats 4 --whole-repeats 0 --out "$DEST/decode.json"
