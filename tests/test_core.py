@@ -437,6 +437,38 @@ def test_written_out_experts_at_inference_are_bit_identical(arch, expert, monkey
                 torch.testing.assert_close(out, expert_ffn(inputs), rtol=1e-5, atol=1e-6)
 
 
+def test_lora_expert_splits_mixed_prefill_routing_onto_merged_weights(monkeypatch):
+    """At inference, when a call routes enough tokens to the LoRA expert for merged weights to pay (`_merge_pays`: 22
+    for this 32 -> 64 FFN), each expert runs on its own rows: the routed rows on merged weights, bit-identical to the
+    merged FFN on those rows, and the others bit-identical to the base FFN on those rows. With fewer routed tokens
+    the call keeps the per-token scale column, whose uni rows are the base FFN's on the whole batch."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig()).eval()
+    perturb_adapters(model, std=0.1)
+    layer = layers(model)[0]
+    router = layer.ubmoe_router["default"].weight  # (2, C)
+    merged = _merged_lora_ffn(layer)
+    with torch.no_grad():
+        weights = layer.bi_weights("default")
+        for name, proj in ((n, merged.get_submodule(n)) for n in weights):
+            proj.weight.copy_(weights[name])  # merged_weight's bits, as the split computes them
+        x = torch.randn(4, 20, 32)  # (B, T, C): 80 rows, more than host routing takes (decode sizes)
+        to_bi = (x @ (router[1] - router[0]) > 0).reshape(-1)  # (N,)
+        assert 22 <= int(to_bi.sum()) < to_bi.numel()
+        splits = []
+        original = layer_module.UBMoELayer._split
+        monkeypatch.setattr(layer_module.UBMoELayer, "_split", lambda *args: splits.append(1) or original(*args))
+        out = layer(x).reshape(-1, 32)  # (N, C)
+        assert splits == [1]
+        flat = x.reshape(-1, 32)  # (N, C)
+        assert torch.equal(out[to_bi], merged(flat[to_bi].unsqueeze(0)).squeeze(0))
+        assert torch.equal(out[~to_bi], layer.base_layer(flat[~to_bi].unsqueeze(0)).squeeze(0))
+        few = torch.cat([flat[to_bi][:10], flat[~to_bi]]).view(1, -1, 32)  # (1, N', C): 10 rows routed to bi
+        out = layer(few)
+        assert splits == [1]  # the scale column
+        rows = torch.arange(few.shape[1]) >= 10  # (N',), the uni rows
+        assert torch.equal(out[0, rows], layer.base_layer(few)[0, rows])
+
+
 def _planned_and_general(layer: UBMoELayer, x: torch.Tensor, monkeypatch) -> tuple:
     """The layer's output at inference through its decode plan (when it applies) and through the general path."""
     with torch.no_grad():

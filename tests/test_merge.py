@@ -290,7 +290,8 @@ def test_export_refuses_qwen3_with_sliding_window_layers():
 def test_mode_bi_at_prefill_sizes_computes_with_the_merged_weights(arch, monkeypatch):
     """At inference, a call with as many rows as the product B A costs (`_merge_pays`: 22 for this 32 -> 64 FFN)
     runs each LoRA projection once on `merged_weight`, the weight the bi merge writes: mode bi then gives the merged
-    model's bits. Fewer rows take the rank-r path, equal within rounding; tokens routed to uni never merge."""
+    model's bits. Fewer rows take the rank-r path, equal within rounding, and so do
+    mode moe's per-token scale columns."""
     from ubmoe_peft.tuners.ubmoe import lora as lora_module
 
     model = wrapped(arch, "lora")
@@ -303,7 +304,7 @@ def test_mode_bi_at_prefill_sizes_computes_with_the_merged_weights(arch, monkeyp
     assert decided == [True] * 6 + [False] * 6  # 2 layers x 3 projections, per batch
     ubmoe_peft.set_mode(model, "moe")
     decided.clear()
-    hidden(model, *large)  # mixed routing: the per-token scale column, never merged
+    hidden(model, *large)  # mixed routing, too few routed tokens per layer to split: the per-token scale column
     assert decided and not any(decided)
     merged = model.merge_and_unload(target="bi")
     torch.testing.assert_close(hidden(merged, *large), expected["large"], rtol=0, atol=0)

@@ -136,7 +136,7 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
         out = lora_math._gated_mlp_math(plan.ffn, flat)  # (N, C)
     elif plan.copy is not None:
         if n_bi < len(picks):  # each expert on its own rows
-            return layer._split_copy(adapter, x, torch.tensor(picks, device=x.device).view(x.shape[:-1]))
+            return layer._split(adapter, x, torch.tensor(picks, device=x.device).view(x.shape[:-1]))
         out = lora_math._gated_mlp_math(plan.copy, flat).to(x.dtype)  # (N, C)
     else:
         deltas = tuple(None if p is None else (p[0]["weight"], p[1]["weight"]) for p in plan.lora)

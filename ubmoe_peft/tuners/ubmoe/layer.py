@@ -46,6 +46,7 @@ from .lora import (
     _is_gated_mlp,
     _lora_delta,
     _lora_pair,
+    _merge_pays,
     merged_weight,
 )
 from .state import ModeState
@@ -320,6 +321,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             out = self._uni_expert(x)  # (B, T, C)
         elif n_bi == logits.shape[:-1].numel():
             out = self._bi_expert(adapter, x)  # (B, T, C)
+        elif lora and picks is None and self._merges(adapter, n_bi):
+            out = self._split(adapter, x, to_bi)  # prefill sizes: the bi rows on merged weights (`lora._project`)
         elif lora:  # scaling on bi tokens, 0 on uni tokens (their output stays exact)
             scale = self.scaling[adapter]
             # In the rank-r side's dtype (a model cast whole to bf16 has bf16 LoRA weights), not torch's default one.
@@ -331,7 +334,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 column = to_bi.reshape(-1, 1).to(dtype) * scale  # (N, 1)
             out = self._lora_ffn(adapter, x, column)  # (B, T, C)
         else:
-            out = self._split_copy(adapter, x, to_bi)  # (B, T, C)
+            out = self._split(adapter, x, to_bi)  # (B, T, C)
 
         # Top-1 needs p only for the router's gradient.
         if router_trains:
@@ -360,14 +363,28 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         chosen = torch.where(to_bi, bi, uni)  # (B, T, C)
         return chosen + ((p_bi - p_bi.detach()) * (bi - uni)).to(chosen.dtype)  # (B, T, C), value: chosen
 
-    def _split_copy(self, adapter: str, x: torch.Tensor, to_bi: torch.Tensor) -> torch.Tensor:
-        """Copy expert top-1: each expert runs only on its own tokens."""
+    def _merges(self, adapter: str, rows: int) -> bool:
+        """Whether the LoRA expert of ``adapter`` on ``rows`` tokens at once runs on merged weights: at inference, on
+        a written-out gated MLP whose projections are plain linears, where `lora._merge_pays` says so."""
+        if not self._gated_mlp or torch.is_grad_enabled():
+            return False
+        key = next(iter(self.ubmoe_lora_A[adapter]))  # gate, up and down share the threshold
+        proj = self.base_layer._modules.get(_module_name(key))
+        if type(proj) is not nn.Linear:
+            return False
+        return _merge_pays(rows, proj.weight, self.ubmoe_lora_B[adapter][key].weight, self.scaling[adapter])
+
+    def _split(self, adapter: str, x: torch.Tensor, to_bi: torch.Tensor) -> torch.Tensor:
+        """Top-1 with each expert only on its own tokens: a copy expert, or a LoRA expert whose routed rows run on
+        merged weights (`_merges`). Mixed routing on the rank-r path with a per-token scale column (`_moe`) kept a
+        LoRA expert's uni rows bit-identical to the base FFN on the whole batch, but cost 4-6% of a prefill at this
+        size; split, the LoRA expert at 50% bi read 1.006x the base against 1.055x (docs/performance.md). Uni rows
+        are still exactly the base FFN's on those rows."""
         flat = x.reshape(-1, x.shape[-1])  # (N, C)
         rows_bi = to_bi.reshape(-1).nonzero().squeeze(1)  # (R,)
         rows_uni = (~to_bi).reshape(-1).nonzero().squeeze(1)  # (N - R,)
         out_uni = self._uni_expert(flat.index_select(0, rows_uni).unsqueeze(0)).squeeze(0)  # (N - R, C)
-        copy = self.ubmoe_copy[adapter]
-        out_bi = self._run_ffn(copy, flat.index_select(0, rows_bi).unsqueeze(0)).squeeze(0)  # (R, C)
+        out_bi = self._bi_expert(adapter, flat.index_select(0, rows_bi).unsqueeze(0)).squeeze(0)  # (R, C)
         out = out_uni.new_empty(flat.shape[0], out_uni.shape[-1])  # (N, C)
         out = out.index_copy(0, rows_uni, out_uni).index_copy(0, rows_bi, out_bi.to(out.dtype))  # (N, C)
         return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C)

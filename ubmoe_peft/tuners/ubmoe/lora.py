@@ -194,10 +194,10 @@ def _merge_pays(rows: int, weight: torch.Tensor, b: torch.Tensor, scale: float |
     LoRA weights share a dtype of at least fp32 (so the merged weight holds the delta as exactly as the rank-r path
     does), and ``rows * (C_in + C_out) >= C_in * C_out``: the rank-r path's matmuls then cost at least the product
     ``B A``, and the merged weight takes no more memory than the projection's input and output together."""
-    if isinstance(scale, torch.Tensor) or weight.dtype != b.dtype or torch.finfo(weight.dtype).bits < 32:
-        return False
     c_out, c_in = weight.shape
-    return rows * (c_in + c_out) >= c_in * c_out
+    if rows * (c_in + c_out) < c_in * c_out or isinstance(scale, torch.Tensor):  # first: decode steps stop here
+        return False
+    return weight.dtype == b.dtype and weight.dtype in (torch.float32, torch.float64)
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
