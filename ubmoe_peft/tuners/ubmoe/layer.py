@@ -18,11 +18,11 @@ Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections,
 projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection,
 which keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base
 FFN's, and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs
-only on its rows. At inference, Llama-style gated MLPs run written out instead of through modules and hooks
-(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step, and a call with every
-token routed to the LoRA expert and enough tokens runs each projection on the merged weight (`lora._project`). At
-decode sizes top-1 mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same
-outputs, with the lookups and hook checks of every call done once.
+only on its rows, and so does a LoRA expert at inference once its rows are enough for merged weights to pay (`_split`,
+`lora._project`). At inference, Llama-style gated MLPs run written out instead of through modules and hooks
+(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step. At decode sizes top-1
+mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same outputs, with the
+lookups and hook checks of every call done once.
 """
 
 from __future__ import annotations
