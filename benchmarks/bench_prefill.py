@@ -15,7 +15,6 @@ On a GPU, where turns would drain the device's queue at every layer, use round-r
 
 from __future__ import annotations
 
-import threading
 import types
 from typing import Any
 
@@ -31,6 +30,7 @@ from common import (
     machine,
     paired_times,
     pin_threads,
+    rank_r_only,
     ratio_stats,
     row,
     set_share,
@@ -40,7 +40,6 @@ from common import (
 from torch import nn
 
 import ubmoe_peft
-from ubmoe_peft.tuners.ubmoe import lora as lora_module
 
 TARGETS = {"lora": 1.05, "copy": 1.03}
 CONTROL = "lora 100%, rank-r path (control)"
@@ -61,31 +60,6 @@ def set_naive(model: nn.Module) -> nn.Module:
     for layer in ubmoe_peft.modes.ubmoe_layers(model):
         layer.forward = types.MethodType(naive_forward, layer)
     return model
-
-
-_MERGE_PAYS = lora_module._merge_pays
-_RANK_R_ONLY = threading.local()  # set in the control's thread (lockstep) or around its call (round-robin)
-
-
-def _merge_pays(*args: Any) -> bool:
-    """The library's choice of merged-weight projections, except in the control's calls: the rank-r path there."""
-    return not getattr(_RANK_R_ONLY, "on", False) and _MERGE_PAYS(*args)
-
-
-lora_module._merge_pays = _merge_pays  # the library looks it up at each call
-
-
-def rank_r_only(run: Any) -> Any:
-    """``run`` with every projection on the rank-r path (the ``--merge-control`` case)."""
-
-    def control(*args: Any) -> Any:
-        _RANK_R_ONLY.on = True
-        try:
-            return run(*args)
-        finally:
-            _RANK_R_ONLY.on = False
-
-    return control
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

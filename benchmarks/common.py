@@ -168,6 +168,35 @@ def wrap(model: nn.Module, expert_type: str, top_k: int = 1, **kwargs: Any) -> n
     return wrapped.eval()
 
 
+# ---- the merged-weight control (--merge-control) -----------------------------------------------------------------
+_RANK_R_ONLY = threading.local()  # set in a control's thread (lockstep) or around its call (round-robin)
+
+
+def rank_r_only(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with every LoRA projection on the rank-r path, merged weights off (`lora._merge_pays`): the control
+    cases of ``--merge-control``. The library looks ``_merge_pays`` up at each call; it is wrapped once, to answer
+    False while a control runs in the current thread (lockstep runs each case in a thread of its own)."""
+    from ubmoe_peft.tuners.ubmoe import lora as lora_module
+
+    library = lora_module._merge_pays
+    if not getattr(library, "switched", False):
+
+        def switched(*args: Any) -> bool:
+            return not getattr(_RANK_R_ONLY, "on", False) and library(*args)
+
+        switched.switched = True
+        lora_module._merge_pays = switched
+
+    def control(*args: Any) -> Any:
+        _RANK_R_ONLY.on = True
+        try:
+            return run(*args)
+        finally:
+            _RANK_R_ONLY.on = False
+
+    return control
+
+
 # ---- timing -----------------------------------------------------------------------------------------------------
 @dataclass
 class Case:

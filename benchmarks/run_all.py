@@ -24,7 +24,7 @@ SUITE: dict[str, list[str]] = {
     "bench_decode.py": ["--warmup", "1", "--repeats", "7"],
     "bench_train_contrastive.py": ["--warmup", "1", "--repeats", "5"],
     "bench_train_router.py": ["--warmup", "1", "--repeats", "5"],
-    "bench_embed.py": ["--warmup", "1", "--repeats", "5"],
+    "bench_embed.py": ["--warmup", "1", "--repeats", "15", "--merge-control"],
 }
 SKIPPED: dict[str, str] = {}
 
