@@ -320,3 +320,15 @@ def test_merge_pays_only_for_whole_calls_in_full_precision():
     assert not _merge_pays(1000, weight.bfloat16(), b.bfloat16(), 2.0)  # a bf16 merged weight would round the delta
     assert not _merge_pays(1000, weight.bfloat16(), b, 2.0)  # the rank-r side in fp32 keeps its precision
     assert _merge_pays(1000, weight.double(), b.double(), 2.0)
+
+
+def test_merged_weight_is_full_precision_math_under_autocast():
+    from ubmoe_peft.tuners.ubmoe.lora import merged_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(shape, generator=gen) for shape in ((64, 32), (8, 32), (64, 8)))
+    expected = merged_weight(w, a, b, 2.0)
+    torch.testing.assert_close(expected, w + 2.0 * b @ a, rtol=1e-6, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # addmm would run in bf16 here
+        assert torch.equal(merged_weight(w, a, b, 2.0), expected)
+    assert merged_weight(w.bfloat16(), a, b, 2.0).dtype == torch.bfloat16  # fp32 math, the weight's dtype
