@@ -40,6 +40,7 @@ from common import (
 from torch import nn
 
 import ubmoe_peft
+from ubmoe_peft.architectures import decoder_layers
 
 TARGETS = {"lora": 1.05, "copy": 1.03}
 CONTROL = "lora 100%, rank-r path (control)"
@@ -60,10 +61,6 @@ def set_naive(model: nn.Module) -> nn.Module:
     for layer in ubmoe_peft.modes.ubmoe_layers(model):
         layer.forward = types.MethodType(naive_forward, layer)
     return model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def prefill_flops(model: nn.Module, batch: int, seq: int) -> float:
@@ -100,7 +97,7 @@ def main() -> None:
     def forward(model: nn.Module, handover: Any = None) -> Any:
         """One prefill; in lockstep, the turn passes after each decoder layer (forward hooks, removed after)."""
         layers = decoder_layers(model) if handover is not None else []
-        handles = [layer.register_forward_hook(lambda *_: handover()) for layer in layers]
+        handles = [layer.register_forward_hook(lambda *_: handover()) for _, layer in layers]
         try:
             with torch.inference_mode():
                 return model(input_ids=ids, logits_to_keep=1, use_cache=False)
