@@ -76,7 +76,9 @@ def main() -> None:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H200: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the device's dense peak (H200 bf16: 989): report the fraction"
+    )
     parser.add_argument("--merge-control", action="store_true", help="add LoRA 100%% with merged projections off")
     parser.add_argument("--timing", choices=["lockstep", "round-robin"], default="lockstep", help="see the docstring")
     args = parser.parse_args()
@@ -138,9 +140,8 @@ def main() -> None:
         "config": vars(args) | {"out": None, "layers": base.config.num_hidden_layers},
         "rows": rows,
     }
-    if args.device.startswith("cuda"):
-        flops = prefill_flops(base, args.batch, args.seq)
-        tflops = flops / (base_ms / 1000) / 1e12
+    if args.peak_tflops is not None:
+        tflops = prefill_flops(base, args.batch, args.seq) / (base_ms / 1000) / 1e12
         result["base_tflops"] = {"achieved": tflops, "peak": args.peak_tflops, "fraction": tflops / args.peak_tflops}
     emit(result, args.out)
 

@@ -39,11 +39,13 @@ TARGET = 0.35
 BATCH, SEQ, STEPS = 2, 16, 1
 
 
-def build(shape: str, base: str, seed: int = 0) -> nn.Module:
-    """A random model of ``shape``; for ``base == 'nf4'`` its decoder linears are quantized one at a time."""
+def build(shape: str, base: str, layers: int | None = None, seed: int = 0) -> nn.Module:
+    """A random model of ``shape`` (``layers`` decoder layers, default the shape's own); for ``base == 'nf4'`` its
+    decoder linears are quantized one at a time."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**SHAPES[shape], attn_implementation="sdpa")
+    spec = SHAPES[shape] | ({} if layers is None else {"num_hidden_layers": layers})
+    config = AutoConfig.for_model(**spec, attn_implementation="sdpa")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     if base == "nf4":
@@ -145,7 +147,7 @@ def contrastive_step(model: nn.Module, optimizer: torch.optim.Optimizer, vocab: 
     return loss.item()
 
 
-def measure(shape: str, base: str, threads: int) -> dict[str, Any]:
+def measure(shape: str, base: str, threads: int, layers: int | None = None) -> dict[str, Any]:
     """One (shape, base) case; runs in its own process so that nothing of another case stays resident."""
     import peft
 
@@ -154,7 +156,7 @@ def measure(shape: str, base: str, threads: int) -> dict[str, Any]:
     pin_threads(threads)
     start = time.perf_counter()
     rss_start = rss_bytes()
-    model = build(shape, base)
+    model = build(shape, base, layers)
     weights = weight_bytes(model)
     rss_model = rss_bytes() - rss_start
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -191,8 +193,9 @@ def measure(shape: str, base: str, threads: int) -> dict[str, Any]:
     }
 
 
-def _child(shape: str, base: str, threads: int) -> dict[str, Any]:
+def _child(shape: str, base: str, threads: int, layers: int | None) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", shape, base, "--threads", str(threads)]
+    cmd += [] if layers is None else ["--layers", str(layers)]
     # glibc keeps freed heap memory resident and reuses it, so an RSS delta would depend on what the model build
     # happened to free (the nf4 build frees the bf16 weights; a first run showed a 5x "training peak" from that).
     # Serving allocations >= 64 KiB by mmap and trimming at once makes resident memory follow live tensors.
@@ -211,11 +214,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: each shape's own)")
     parser.add_argument("--out", type=Path, default=HERE / "results_qlora.json")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "BASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(*args.child, args.threads)))
+        print(json.dumps(measure(*args.child, args.threads, args.layers)))
         return
     try:
         import bitsandbytes  # noqa: F401
@@ -226,7 +230,7 @@ def main() -> None:
     lines.append("| shape | metric | bf16 base (MiB) | nf4 base (MiB) | nf4 / bf16 | target |")
     lines.append("|---|---|---:|---:|---:|---|")
     for shape in args.shapes:
-        cases = {base: _child(shape, base, args.threads) for base in ("bf16", "nf4")}
+        cases = {base: _child(shape, base, args.threads, args.layers) for base in ("bf16", "nf4")}
         for metric, target in (
             ("weights_linear_bytes", TARGET),
             ("weights_total_bytes", None),
@@ -254,7 +258,7 @@ def main() -> None:
                 f"| {shape} | {metric.removesuffix('_bytes')} | {_mib(bf16)} | {_mib(nf4)} | {ratio:.3f} | {shown} |"
             )
         rows.append(dict(benchmark="qlora_memory", case=shape, metric="raw", cases=cases))
-    result = {"machine": machine(), "batch": BATCH, "seq": SEQ, "steps": STEPS, "rows": rows}
+    result = {"machine": machine(), "batch": BATCH, "seq": SEQ, "steps": STEPS, "layers": args.layers, "rows": rows}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print("\n".join(lines))
 

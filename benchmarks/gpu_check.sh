@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (one H200, about 5-6 minutes, capped at 8): bf16 prefill and decode ratios on a Qwen2-1.5B-shaped random
-# model, the fraction of the GPU's bf16 dense peak the base prefill reaches, and the QLoRA stage-1 step
-# (benchmarks/gpu_qlora.py, when present). Results: JSON per step plus results_gpu.md in $OUT (or benchmarks/results_gpu).
+# model, the fraction of the GPU's bf16 dense peak the base prefill reaches, and the QLoRA stage-1 step against the
+# same step on the bf16 base (benchmarks/gpu_qlora.py). Results: JSON per step plus results_gpu.md in $OUT (or benchmarks/results_gpu).
 #
 #   bash benchmarks/gpu_check.sh            # PEAK_TFLOPS=989 (H200 bf16 dense) unless set
 set -uo pipefail
@@ -9,13 +9,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}
 DEST=${OUT:-benchmarks/results_gpu}
 PEAK=${PEAK_TFLOPS:-989}
-mkdir -p "$DEST"
-status=0
-
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA device visible to torch; this script only runs on a GPU." >&2
     exit 2
 fi
+mkdir -p "$DEST"
+status=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$DEST/gpu.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run with a time cap, keep going on failure, log to $DEST/NAME.log
@@ -38,31 +37,8 @@ step prefill_8x2048 100 "$PY" benchmarks/bench_prefill.py "${GPU[@]}" "${PREFILL
     --peak-tflops "$PEAK" --out "$DEST/prefill_8x2048.json"
 # Question 2: greedy decode with KV cache, 128 new tokens, batch 1 and 8.
 step decode 150 "$PY" benchmarks/bench_decode.py "${GPU[@]}" --warmup 1 --repeats 4 --whole-repeats 0 --out "$DEST/decode.json"
-if [ -f benchmarks/gpu_qlora.py ]; then
-    step qlora 90 "$PY" benchmarks/gpu_qlora.py --out "$DEST/qlora.json"
-else
-    echo "== qlora: benchmarks/gpu_qlora.py not present, skipped"
-fi
+# QLoRA stage-1 step (nf4, bf16 compute) against the same step on the bf16 base, with the gradient check.
+step qlora 120 "$PY" benchmarks/gpu_qlora.py --device cuda --dtype bfloat16 --warmup 2 --repeats 10 --out "$DEST/qlora.json"
 
-"$PY" - "$DEST" <<'PYEOF'
-import json, sys
-from pathlib import Path
-
-sys.path.insert(0, "benchmarks")
-from run_all import markdown
-
-dest = Path(sys.argv[1])
-results = [json.loads(p.read_text()) for n in ("prefill_8x256", "prefill_8x2048", "decode")
-           if (p := dest / f"{n}.json").exists()]
-text = markdown(results) if results else "# no GPU results\n"
-for result in results:
-    if "base_tflops" in result:
-        t = result["base_tflops"]
-        text += (f"\nBase prefill {result['config']['batch']}x{result['config']['seq']}: {t['achieved']:.0f} TFLOP/s, "
-                 f"{100 * t['fraction']:.1f}% of the {t['peak']:.0f} TFLOP/s bf16 dense peak.\n")
-if (dest / "qlora.json").exists():
-    text += "\nQLoRA stage-1 (gpu_qlora.py):\n\n```json\n" + (dest / "qlora.json").read_text() + "\n```\n"
-(dest / "results_gpu.md").write_text(text)
-print(text)
-PYEOF
+"$PY" benchmarks/run_all.py --gpu-summary "$DEST" || status=1
 exit $status

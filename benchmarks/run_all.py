@@ -78,12 +78,45 @@ def markdown(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+GPU_STEPS = ("prefill_8x256", "prefill_8x2048", "decode", "qlora")  # gpu_check.sh's result files, in its order
+
+
+def gpu_markdown(dest: Path) -> str:
+    """The summary of gpu_check.sh's results in ``dest``: the table, the base prefill's fraction of the bf16 peak,
+    and the QLoRA gradient check."""
+    results = [json.loads(p.read_text()) for n in GPU_STEPS if (p := dest / f"{n}.json").exists()]
+    text = markdown(results) if results else "# no GPU results\n"
+    for result in results:
+        if "base_tflops" in result:
+            t, cfg = result["base_tflops"], result["config"]
+            text += (
+                f"\nBase prefill {cfg['batch']}x{cfg['seq']}: {t['achieved']:.0f} TFLOP/s, "
+                f"{100 * t['fraction']:.1f}% of the {t['peak']:.0f} TFLOP/s bf16 dense peak.\n"
+            )
+        if "checks" in result:
+            c = result["checks"]
+            text += (
+                f"\nQLoRA expert gradients vs the dequantized float model: worst relative error "
+                f"{c['max_relative_grad_error']:.2e} (tolerance {c['grad_tolerance']:.0e}); frozen weights "
+                f"unchanged: {c['frozen_unchanged']}.\n"
+            )
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of the SmolLM2-135M shape (30 = all)")
     parser.add_argument("--only", nargs="*", default=None, help="run only these scripts (e.g. bench_decode.py)")
+    parser.add_argument(
+        "--gpu-summary", type=Path, default=None, metavar="DIR", help="summarize gpu_check.sh: write DIR/results_gpu.md"
+    )
     args = parser.parse_args()
+    if args.gpu_summary is not None:
+        text = gpu_markdown(args.gpu_summary)
+        (args.gpu_summary / "results_gpu.md").write_text(text)
+        print(text)
+        return
     results, started = [], time.time()
     previous = HERE / "results.json"
     if args.only and previous.exists():  # rerunning some scripts: keep the others' results from the last full run
