@@ -11,8 +11,10 @@ gradient checkpointing via prepare_model_for_kbit_training). Checks, each failin
 Measures, as the other benchmarks do, against a baseline in the same run: the step time and throughput (pairs/s)
 of the nf4 model against the same UBMoE LoRA expert on the unquantized base in the compute dtype, with gradient
 checkpointing too, timed round-robin; on CUDA also each step's peak memory above what is resident before it, and
-the weights' footprint. Called by benchmarks/gpu_check.sh with ``--device cuda --dtype bfloat16`` (the defaults);
-``--device cpu --layers 1`` runs the same code on bitsandbytes' CPU backend (the test suite's smoke run).
+the weights' footprint. As in every QLoRA recipe, prepare_model_for_kbit_training leaves the nf4 model's embeddings
+and norms in fp32; the baseline keeps them in bf16, as a user training on the bf16 base would.
+Called by benchmarks/gpu_check.sh with ``--device cuda --dtype bfloat16`` (the defaults); ``--device cpu --layers 1``
+runs the same code on bitsandbytes' CPU backend (the test suite's smoke run).
 """
 
 from __future__ import annotations
