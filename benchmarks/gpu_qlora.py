@@ -4,8 +4,9 @@ Builds a random SmolLM2-135M-shaped model, quantizes it with bitsandbytes (save 
 BitsAndBytesConfig, the path users take), wraps it, and runs stage-1 steps (mode bi, in-batch contrastive loss,
 gradient checkpointing via prepare_model_for_kbit_training). Checks, each failing the script:
 
-- the expert gradients agree with those of the dequantized float model (relative error under 5e-2 with bf16
-  compute, the tolerance argued in tests/test_qlora.py; 1e-4 with fp32 compute);
+- the expert gradients agree with those of the dequantized float model (relative error under 5e-2, the bf16
+  tolerance argued in tests/test_qlora.py: the checkpoint is bf16, and bitsandbytes' backward multiplies with the
+  weight rounded to it whatever the compute dtype);
 - the loss stays finite and no frozen parameter changes.
 
 Measures, as the other benchmarks do, against a baseline in the same run: the step time and throughput (pairs/s)
@@ -33,7 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SHAPES, Case, base_parser, emit, machine, paired_times, pin_threads, ratio_stats, row  # noqa: E402
 
-GRAD_RTOL = {"bfloat16": 5e-2, "float32": 1e-4}
+GRAD_RTOL = 5e-2
 NF4, BASELINE = "ubmoe LoRA expert, nf4 base", "ubmoe LoRA expert, unquantized base"
 
 
@@ -182,7 +183,7 @@ def main() -> None:
     checks = {
         "max_relative_grad_error": errors[worst],
         "worst_tensor": worst,
-        "grad_tolerance": GRAD_RTOL[args.dtype],
+        "grad_tolerance": GRAD_RTOL,
         "losses": losses,
         "frozen_unchanged": all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen),
     }
@@ -198,7 +199,7 @@ def main() -> None:
     problems = []
     if not all(v == v and abs(v) != float("inf") for values in losses.values() for v in values):
         problems.append(f"non-finite loss {losses}")
-    if errors[worst] >= GRAD_RTOL[args.dtype]:
+    if errors[worst] >= GRAD_RTOL:
         problems.append(f"expert gradient {worst} differs from the dequantized reference by {errors[worst]:.2e}")
     if not checks["frozen_unchanged"]:
         problems.append("a frozen parameter changed during stage 1")

@@ -252,6 +252,31 @@ def test_gradient_checkpointing_gives_the_same_gradients(saved_dirs):
             torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
 
 
+# ---- the weight a 4-bit layer multiplies with ---------------------------------------------------------------------
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_dequantized_weight_is_what_the_layer_multiplies_with(tmp_path, storage, compute):
+    """Also from a bf16 checkpoint under fp32 compute (BitsAndBytesConfig's default compute dtype), where bitsandbytes
+    >= 0.50 dequantizes into fp32 directly: a copy expert starts as exactly the FFN it copies."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config(), dtype=storage).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+    from ubmoe_peft.tuners.ubmoe.bnb import make_dense_copy, prepare_quantized_base
+
+    prepare_quantized_base(model)  # the generic kernel path, as in every wrapped model
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))  # (B, T, C)
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(mlp, name)
+            inputs = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(2))  # (B, T, in)
+            weight = dequantized_weight(layer)  # (out, in)
+            assert weight.dtype == compute
+            assert torch.equal(layer(inputs), nn.functional.linear(inputs.to(compute), weight).float()), name
+        assert torch.equal(make_dense_copy(mlp)(x), mlp(x))
+
+
 # ---- shapes bnb's CPU kernels reject ------------------------------------------------------------------------------
 @pytest.mark.parametrize("expert", ["lora", "copy"])
 def test_intermediate_size_bnb_cpu_packing_rejects(saved_dirs, expert):

@@ -79,7 +79,16 @@ def _prepare_4bit(module: nn.Linear) -> None:
 def _dequantize_4bit(module: nn.Linear) -> torch.Tensor:
     _unpack_cpu_4bit(module)
     bnb = _import_bnb()
-    return bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)  # (out, in)
+    state = module.weight.quant_state
+    dtype = getattr(module, "compute_dtype", None)
+    if hasattr(torch.ops.bitsandbytes, "gemm_4bit") and isinstance(dtype, torch.dtype) and state.dtype != dtype:
+        # bitsandbytes >= 0.50 multiplies through its gemm_4bit op, which dequantizes straight into the compute dtype.
+        # Dequantizing in the storage dtype (bf16 for a bf16 checkpoint) and casting, as earlier versions multiply,
+        # would round the weight to bf16 first: a copy expert would then start off the FFN it copies under fp32
+        # compute (BitsAndBytesConfig's default). (Its backward still rounds to the storage dtype.)
+        state = copy.copy(state)
+        state.dtype = dtype
+    return bnb.functional.dequantize_4bit(module.weight.data, state)  # (out, in)
 
 
 def _compute_dtype_4bit(module: nn.Linear) -> torch.dtype:
