@@ -271,8 +271,7 @@ def test_dequantized_weight_is_what_the_layer_multiplies_with(tmp_path, storage,
         for name in ("gate_proj", "up_proj", "down_proj"):
             layer = getattr(mlp, name)
             inputs = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(2))  # (B, T, in)
-            weight = dequantized_weight(layer)  # (out, in)
-            assert weight.dtype == compute
+            weight = dequantized_weight(layer).to(compute)  # (out, in)
             assert torch.equal(layer(inputs), nn.functional.linear(inputs.to(compute), weight).float()), name
         assert torch.equal(make_dense_copy(mlp)(x), mlp(x))
 
