@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+TIMEOUT_S = 600  # per run; the slowest (bench_train_router.py, six processes) takes about 75 s on 2 cores
 TINY = ["--layers", "1", "--warmup", "0", "--repeats", "2", "--threads", "1"]
 RUNS: dict[str, list[str]] = {
     "prefill": ["bench_prefill.py", *TINY, "--batch", "2", "--seq", "16", "--merge-control"],
@@ -47,7 +48,12 @@ def results(tmp_path_factory) -> dict[str, object]:
     def run(name: str) -> tuple[int, str, dict | None]:
         out = folder / f"{name}.json"
         cmd = [sys.executable, str(BENCH / RUNS[name][0]), *RUNS[name][1:], "--out", str(out)]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+        env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}
+        try:  # a hung run (say, a lockstep turn never handed over) fails its test instead of stalling the suite
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:  # its captured output is bytes, whatever text= says
+            output = b"".join(part or b"" for part in (exc.stdout, exc.stderr)).decode(errors="replace")
+            return -1, f"timed out after {TIMEOUT_S} s:\n{output[-6000:]}", None
         value = json.loads(out.read_text()) if out.exists() else None
         return done.returncode, done.stdout[-3000:] + done.stderr[-3000:], value
 
