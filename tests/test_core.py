@@ -720,6 +720,21 @@ def test_use_mode_restores_previous_mode():
         ubmoe_peft.set_stage(model, ["router"])
 
 
+def _enter_use_mode(model, mode):
+    with ubmoe_peft.use_mode(model, mode):
+        pass
+
+
+@pytest.mark.parametrize("call", ["set_mode", "get_mode", "set_stage", "routing_stats", "use_mode"])
+def test_mode_functions_name_a_model_that_is_not_a_ubmoe_model(call):
+    args = {"set_mode": ("bi",), "set_stage": ("router",), "use_mode": ("bi",)}.get(call, ())
+    function = _enter_use_mode if call == "use_mode" else getattr(ubmoe_peft, call)
+    with pytest.raises(TypeError, match="model must be a UBMoE model .*got NoneType 'None'.*get_peft_model"):
+        function(None, *args)  # was a bare AttributeError: 'NoneType' has no attribute 'modules'
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no UBMoE layers. Wrap it first"):
+        function(tiny_model(), *args)
+
+
 # ---- save / load --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 @pytest.mark.parametrize("expert", EXPERTS)

@@ -55,6 +55,8 @@ def test_mode_bi_depends_on_later_tokens_and_matches_a_manual_count(model, token
 def test_bad_texts_are_refused(model, tokenizer):
     with pytest.raises(ValueError, match="non-empty list"):
         attention_dependence(model, tokenizer, "one string")
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got NoneType"):
+        attention_dependence(model, None, [w(5, 6)])
 
 
 def test_empty_texts_are_named_not_averaged_in(model, tokenizer):

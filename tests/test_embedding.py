@@ -197,8 +197,11 @@ def test_bad_arguments_and_inputs_are_named(tokenizer):
     model = _wrapped()
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got str 'model_dir'"):
         to_sentence_transformer(model, "model_dir")
-    with pytest.raises(TypeError, match="model must be the UBMoE model .* got str 'model_dir'"):
+    with pytest.raises(TypeError, match="model must be a UBMoE model .* got str 'model_dir'"):
         to_sentence_transformer("model_dir", tokenizer)
+    for pooling in (None, [], ["mean", None]):  # sentence-transformers' own error was "'NoneType' is not iterable"
+        with pytest.raises(ValueError, match=r"pooling=.* is not a pooling mode: give one of \['cls'"):
+            to_sentence_transformer(model, tokenizer, pooling=pooling)
     with pytest.raises(ValueError, match="max_length=0: give the longest input in tokens"):
         to_sentence_transformer(model, tokenizer, max_length=0)
     with pytest.raises(ValueError, match="placeholder '{sentence}'"):

@@ -153,6 +153,9 @@ BAD_FIELDS = {
     "target_modules:bad regex": ("(", ["'('", "not a valid regular expression", "['mlp']"]),
     "lora_alpha:overflow": (1e308, ["1e+308", "finite float32", "16"]),
     "lora_alpha:inf": (float("inf"), ["inf", "finite float32"]),
+    "lora_alpha:zero": (0, ["lora_alpha=0", "never trains", "16"]),  # PEFT allows it: the expert would never move
+    "lora_alpha:negative": (-16.0, ["-16.0", "positive"]),
+    "top_k:float": (1.0, ["top_k=1.0", "1", "2"]),  # 1.0 == 1 passed, was saved, and broke the MoE export's int
 }
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .architectures import text_config
-from .evaluation import _evaluating, check_sizes
+from .evaluation import _evaluating, check_sizes, check_tokenizer
 from .modes import use_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -72,6 +72,7 @@ def attention_dependence(
             f"texts[{blank[0]}] is {texts[blank[0]]!r} ({len(blank)} such texts): every text must be non-empty "
             "(a blank line of a text file is one)."
         )
+    check_tokenizer(tokenizer)
     check_sizes(batch_size, max_length)
     device = next(model.parameters()).device
     totals: torch.Tensor | None = None  # (L, 3) sums over texts

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .evaluation import check_tokenizer
 from .modes import get_mode, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import MODES
 
@@ -224,15 +225,12 @@ def to_sentence_transformer(
     ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt. ``mode`` is for comparisons
     only: "uni" embeds with the base model (causal attention), as a baseline.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"model must be the UBMoE model (a torch module), got {type(model).__name__} {str(model)[:60]!r}; load it "
-            "first, e.g. PeftModel.from_pretrained(base, adapter_dir)."
-        )
-    if isinstance(tokenizer, (str, Path)) or not callable(tokenizer) or not hasattr(tokenizer, "pad_token"):
-        raise TypeError(
-            f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__} {str(tokenizer)[:60]!r}; "
-            "load it with AutoTokenizer.from_pretrained(...)."
+    check_tokenizer(tokenizer)
+    modes = [pooling] if isinstance(pooling, str) else pooling
+    if not isinstance(modes, (list, tuple)) or not modes or not all(isinstance(m, str) for m in modes):
+        # sentence-transformers' Pooling fails on these with "'NoneType' object is not iterable"
+        raise ValueError(
+            f"pooling={pooling!r} is not a pooling mode: give one of {list(Pooling.POOLING_MODES)} (or a list of them)."
         )
     if not ubmoe_layers(model):
         raise ValueError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -97,6 +98,16 @@ def check_sizes(batch_size: Any, max_length: Any) -> None:
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive integer (texts per batch, tokens per text).")
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """A transformers tokenizer, not a path or None (which would fail deep inside with "'NoneType' object is not
+    callable")."""
+    if isinstance(tokenizer, (str, os.PathLike)) or not callable(tokenizer) or not hasattr(tokenizer, "pad_token"):
+        raise TypeError(
+            f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__} {str(tokenizer)[:60]!r}; "
+            "load it with AutoTokenizer.from_pretrained(...)."
+        )
 
 
 def _appended_eos(tokenizer: Any, text: str, ids: list[int]) -> bool:

@@ -17,6 +17,12 @@ STAGES = {"contrastive": "bi", "router": "moe"}
 
 def ubmoe_layers(model: nn.Module) -> list[UBMoELayer]:
     """Every UBMoE layer in ``model`` (a PeftModel, the tuner, the inner transformers model, or a wrapper of it)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a UBMoE model (a torch module), got {type(model).__name__} {str(model)[:60]!r}; wrap a "
+            "transformers model with peft.get_peft_model(model, UBMoEConfig()) or load one with "
+            "PeftModel.from_pretrained(base, adapter_dir)."
+        )
     return [m for m in model.modules() if isinstance(m, UBMoELayer)]
 
 

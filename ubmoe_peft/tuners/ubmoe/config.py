@@ -102,7 +102,7 @@ class UBMoEConfig(PeftConfig):
             raise ValueError(
                 f"UBMoEConfig(expert_type={self.expert_type!r}) is not supported: use one of {list(EXPERT_TYPES)}."
             )
-        if isinstance(self.top_k, bool) or self.top_k not in (1, 2):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k not in (1, 2):
             raise ValueError(
                 f"UBMoEConfig(top_k={self.top_k!r}) is invalid: UBMoE has two experts, so top_k must be 1 "
                 "(route each token to one expert) or 2 (mix both)."
@@ -148,6 +148,12 @@ class UBMoEConfig(PeftConfig):
             raise ValueError(
                 f"UBMoEConfig(lora_alpha={self.lora_alpha!r}) is not a finite float32 number; use a usual LoRA alpha, "
                 "e.g. 16."
+            )
+        if self.lora_alpha <= 0:  # PEFT allows 0, which makes a LoRA expert the original FFN with no gradient
+            raise ValueError(
+                f"UBMoEConfig(lora_alpha={self.lora_alpha!r}) must be positive: the LoRA scaling is lora_alpha / r "
+                "(or / sqrt(r) with rsLoRA), and at 0 the bi expert stays the original FFN and never trains. Use a "
+                "usual LoRA alpha, e.g. 16."
             )
         if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, number):
             raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be a number in [0, 1).")
