@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig
-from ubmoe_peft.cli import EvalArgs, ModelArgs, _next, _report, run
+from ubmoe_peft.cli import COMMANDS, EvalArgs, ModelArgs, _next, _report, main, run
 
 FAST = ["--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1"]
 
@@ -61,17 +62,19 @@ def test_unknown_command_names_it_and_the_commands():
 
 def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     model = ["--model", files["model"], "--device", "cpu"]
-    stage1, stage2 = str(tmp_path / "stage1"), str(tmp_path / "stage2")
+    stage1, stage2 = str(tmp_path / "stage1"), str(tmp_path / "stage1-router")
     run(["train-contrastive", *model, "--data", files["triplets"], "--output_dir", stage1, "--max_steps", "2"]
          + ["--per_device_train_batch_size", "8", "--prompt", "none", "--expert_type", "copy", *FAST])  # fmt: skip
-    run(["train-router", *model, "--adapter", stage1, "--data", files["texts"], "--output_dir", stage2]
-         + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
-
-    hints = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
-    assert hints == [  # commands to copy, with the base they were trained on
-        f"ubmoe train-router --model {files['model']} --device cpu --adapter {stage1}",
-        f"ubmoe export --model {files['model']} --device cpu --adapter {stage2}",
-    ]
+    hint = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
+    # the command to copy, with the base it was trained on and a new folder (it printed none: stage 2 went to
+    # transformers' default output folder, where a second run overwrote it)
+    model_options = f"--model {files['model']} --device cpu"
+    assert hint == [f"ubmoe train-router {model_options} --adapter {stage1} --output_dir {stage2}"]
+    run([*shlex.split(hint[0])[1:], "--data", files["texts"]]
+        + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
+    hint = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
+    exported = f"{stage2}-moe"  # the export it printed lacked the --output_dir that export requires
+    assert hint == [f"ubmoe export {model_options} --adapter {stage2} --output_dir {exported}"]
     base = AutoModelForCausalLM.from_pretrained(files["model"]).eval()
     trained = PeftModel.from_pretrained(base, stage2).eval()
     assert trained.peft_config["default"].expert_type == "copy"
@@ -92,7 +95,7 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     assert 0 <= lm["moe"]["bi_share"] <= 100
     table = capsys.readouterr().out.split("Language model (6 rows)")[1].strip().splitlines()
     assert table[:2] == ["| mode | loss | perplexity | tokens | bi_share |", "|---|---|---|---|---|"]
-    assert table[2].startswith("| uni | ") and table[2].endswith(" | 54.00 |  |")  # no routing in mode uni
+    assert table[2].startswith("| uni | ") and table[2].endswith(" | 54 |  |")  # no routing in mode uni
     choice = run(["eval-lm", *model, "--data", files["mc"], "--modes", "uni"])
     assert choice["uni"]["n"] == 10 and 0 <= choice["uni"]["accuracy"] <= 100
 
@@ -100,8 +103,7 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     assert dep["uni"]["subsequent"] == pytest.approx(0, abs=1e-6) and dep["bi"]["subsequent"] > 1
     assert "| mode | preceding | self | subsequent |" in capsys.readouterr().out
 
-    exported = str(tmp_path / "exported")
-    run(["export", *model, "--adapter", stage2, "--output_dir", exported])
+    run(shlex.split(hint[0])[1:])
     mixtral = AutoModelForCausalLM.from_pretrained(exported).eval()
     ids, mask = batch()
     with torch.no_grad(), ubmoe_peft.use_mode(trained, "moe"):
@@ -144,6 +146,11 @@ def test_data_from_a_saved_dataset_folder_and_split_slices_of_a_file(files, tmp_
     assert load_rows(files["sts"], "sts", split="train[:3]").to_list() == rows.to_list()[:3]  # was: every row
     with pytest.raises(ValueError, match="--split 'validation': a single data file holds one split, 'train'"):
         load_rows(files["sts"], "sts", split="validation")  # was: the whole file, read as if it were that split
+    saved = str(tmp_path / "saved")  # --split slices a saved Dataset folder the same way (it was ignored there)
+    assert load_rows(saved, "sts", split="train[:3]").to_list() == rows.to_list()[:3]
+    assert load_rows(saved, "sts", split="train[-2:]+train[:1]").to_list() == rows.to_list()[-2:] + rows.to_list()[:1]
+    with pytest.raises(ValueError, match="--split 'validation': a saved Dataset folder holds one split, 'train'"):
+        load_rows(saved, "sts", split="validation")
 
 
 def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer, monkeypatch):
@@ -216,6 +223,20 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["train-contrastive", "--output_dir", "{model}"], ValueError, "holds a model .*new folder"),
         (["train-contrastive", "--data", "{texts}", "--expert_type", "copy"], ValueError, "SimCSE.*has none"),
         (["train-contrastive", "--data", "{texts}", "--lora_dropout", "0"], ValueError, "lora_dropout=0.0\\) has none"),
+        (["eval-sts", "--data", "{sts}", "--device", "gpu0"], ValueError, "--device 'gpu0' is not a device .*'cpu'"),
+        (["eval-sts", "--data", "{sts}", "--gguf_file", "q.gguf"], ValueError, "'q.gguf' is not a file in --model"),
+        (["eval-sts", "--data", "{sts}", "--adapter", "{model}"], ValueError, "without adapter_config.*as --model"),
+        (["eval-sts", "--data", "{sts}", "--adapter", "{bad}"], ValueError, "folder without adapter_config.json"),
+        (["eval-lm", "--data", "missing.txt", "--modes", "uni", "bi"], ValueError, "mode 'bi' are meaningless"),
+        (["dependence", "--data", "missing.txt", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
+        (["train-contrastive", "--per_device_train_batch_size", "0"], ValueError, "batch_size=0 must be a positive"),
+        (["train-router", "--gradient_accumulation_steps", "0"], ValueError, "accumulation_steps=0 must be a pos"),
+        (["train-router", "--max_length", "0"], ValueError, "max_length=0 must be a positive number of tokens"),
+        (["train-contrastive", "--num_train_epochs", "0"], ValueError, "num_train_epochs=0.0 with max_steps unset"),
+        (["train-contrastive", "--max_steps", "-5"], ValueError, "max_steps=-5 must be a positive number"),
+        (["train-contrastive", "--learning_rate", "-1"], ValueError, "learning_rate=-1.0 must not be negative"),
+        (["train-contrastive", "--output_dir", "{lora}"], ValueError, "already holds a saved adapter .*overwrite"),
+        (["train-router", "--adapter", "{lora}", "--output_dir", "{lora}"], ValueError, "already holds a saved"),
     ],
 )
 def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
@@ -277,9 +298,11 @@ def test_results_that_are_not_finite_are_written_as_json_null(tmp_path, capsys):
 
 def test_the_next_command_keeps_the_model_options():
     saved = SimpleNamespace(output_dir="out dir")
-    assert _next(ModelArgs(), "train-router", saved) == "ubmoe train-router --adapter 'out dir'"
+    expected = "ubmoe train-router --adapter 'out dir' --output_dir 'out dir-router'"
+    assert _next(ModelArgs(), "train-router", saved) == expected
     given = ModelArgs(model="/models/q", gguf_file="q4.gguf", dtype="bfloat16", device="cpu")
     expected = "ubmoe export --model /models/q --gguf_file q4.gguf --dtype bfloat16 --device cpu --adapter 'out dir'"
+    expected += " --output_dir 'out dir-moe'"
     assert _next(given, "export", saved) == expected
 
 
@@ -309,3 +332,78 @@ def test_the_ubmoe_console_script_is_installed_and_exits_0(files):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]  # a returned dict would make sys.exit print it, status 1
     assert "| uni | " in result.stdout and "'uni'" not in result.stderr
+
+
+def test_input_errors_print_one_line_and_exit_2_and_bugs_keep_their_traceback(files, capsys, monkeypatch):
+    """The console entry point printed a traceback of 15-60 lines above every message that names the fix."""
+    argv = ["eval-sts", "--model", files["model"], "--data", "missing.tsv"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ubmoe eval-sts: error: Data file 'missing.tsv' does not exist") and "Traceback" not in err
+    monkeypatch.setenv("UBMOE_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="'missing.tsv' does not exist"):
+        main(argv)
+    monkeypatch.delenv("UBMOE_TRACEBACK")
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setitem(COMMANDS, "eval-sts", (broken, COMMANDS["eval-sts"][1]))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(argv)
+
+
+def test_training_never_overwrites_a_saved_adapter_nor_leaves_an_empty_folder(files, tmp_path, monkeypatch):
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig()).save_pretrained(adapter)
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+    train = ["train-contrastive", "--model", files["model"], "--device", "cpu", "--data", files["triplets"]]
+    train += ["--max_steps", "1", "--per_device_train_batch_size", "8", *FAST]
+    with pytest.raises(ValueError, match="already holds a saved adapter .* pass it as --adapter"):
+        run([*train, "--output_dir", str(adapter)])  # it trained and saved over the adapter
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+
+    def fail(self, **kwargs):
+        raise RuntimeError("training failed")
+
+    monkeypatch.setattr(ubmoe_peft.trainers.ContrastiveTrainer, "train", fail)
+    with pytest.raises(RuntimeError, match="training failed"):
+        run([*train, "--output_dir", str(tmp_path / "new")])  # the trainer had created it
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(RuntimeError, match="training failed"):
+        run([*train, "--output_dir", str(tmp_path / "mine")])
+    assert (tmp_path / "mine").is_dir()  # a folder that was there before is the user's
+
+
+def test_an_adapter_that_is_neither_a_folder_nor_on_the_hub_is_named(files, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no retries against a hub out of reach
+    sts = ["eval-sts", "--model", files["model"], "--data", files["sts"], "--adapter", "no-such-adapter"]
+    with pytest.raises(ValueError, match="'no-such-adapter' is not a local folder .* hub adapter id failed .*Pass"):
+        run(sts)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_named():
+    with pytest.raises(ValueError, match="--device 'cuda': this torch .* has no cuda device available. Use --device"):
+        ModelArgs(device="cuda")  # torch's AssertionError "Torch not compiled with CUDA enabled" came after loading
+
+
+def test_demo_options_are_checked_before_the_model_loads(tmp_path):
+    from ubmoe_peft.demo import DemoArgs
+
+    out = str(tmp_path / "d")
+    for kwargs, message in [
+        (dict(expert_type="foo"), "--expert_type 'foo' is not supported: use one of \\['lora', 'copy'\\]"),
+        (dict(router_steps=0), "--router_steps 0 must be a positive integer"),
+        (dict(contrastive_lr=-1.0), "--contrastive_lr -1.0 must be positive"),
+        (dict(device="gpu0"), "--device 'gpu0' is not a device"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DemoArgs(output_dir=out, **kwargs)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "report.md").write_text("an earlier run's report")
+    with pytest.raises(ValueError, match=r"already holds a demo's \['report.md'\], which this run would overwrite"):
+        DemoArgs(output_dir=out)

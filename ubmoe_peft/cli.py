@@ -8,13 +8,16 @@ it uses the small demo data shipped in the package.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import shlex
+import shutil
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,25 @@ class ModelArgs:
     )
     dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16 or float16."})
     device: str | None = field(default=None, metadata={"help": _DEVICE_HELP})
+
+    def __post_init__(self) -> None:  # checked now, not after loading the model
+        check_device(self.device)
+
+
+def check_device(device: str | None) -> None:
+    """``--device`` names a device this torch can use (torch's own errors name neither the option nor a fix)."""
+    if device is None:
+        return
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device ({err}); use 'cpu', 'cuda' or 'cuda:1'.") from None
+    backend = getattr(torch, kind, None)
+    if kind != "cpu" and callable(getattr(backend, "is_available", None)) and not backend.is_available():
+        raise ValueError(
+            f"--device {device!r}: this torch ({torch.__version__}) has no {kind} device available. Use --device cpu, "
+            "or leave --device out to take 'cuda' when there is one."
+        )
 
 
 @dataclass
@@ -160,9 +182,7 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     if args.dtype not in dtypes:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {list(dtypes)}.")
     if args.adapter is not None:  # before loading the model: a foreign adapter would fail only at its first UBMoE call
-        from peft import PeftConfig
-
-        adapter_config = PeftConfig.from_pretrained(args.adapter)
+        adapter_config = _adapter_config(args.adapter)
         if not isinstance(adapter_config, UBMoEConfig):
             raise ValueError(
                 f"--adapter {args.adapter!r} is a {adapter_config.peft_type.value} adapter, not a UBMoE one. The ubmoe "
@@ -195,6 +215,30 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     return model.train(trainable), tokenizer
 
 
+def _adapter_config(adapter: str) -> Any:
+    """The saved adapter's config; a local folder that is not an adapter, or a name that is neither a folder nor a
+    reachable hub adapter, is named with the fix (PEFT's "Can't find 'adapter_config.json'" gave none)."""
+    from peft import PeftConfig
+
+    folder = Path(adapter)
+    if folder.is_dir() and not (folder / "adapter_config.json").is_file():
+        hint = " It holds a model: pass it as --model." if (folder / "config.json").is_file() else ""
+        raise ValueError(
+            f"--adapter {adapter!r} is a folder without adapter_config.json, so not a saved adapter. Pass the folder "
+            f"that train-contrastive or train-router saved to (their --output_dir).{hint}"
+        )
+    try:
+        return PeftConfig.from_pretrained(adapter)
+    except (ValueError, OSError) as err:
+        if folder.exists():
+            raise
+        raise ValueError(
+            f"--adapter {adapter!r} is not a local folder (relative to {Path.cwd()}), and loading it as a hub adapter "
+            f"id failed ({str(err).splitlines()[0]}). Pass the folder a training command saved to, or a reachable "
+            "hub id."
+        ) from err
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -202,6 +246,12 @@ def _check_model_folder(args: ModelArgs) -> None:
     """A local --model is a whole model folder: not an adapter folder, and not one holding an adapter too (transformers
     would load that adapter into the base model on its own, and ours would then wrap a model already adapted)."""
     folder = Path(args.model)
+    if folder.is_dir() and args.gguf_file and not (folder / args.gguf_file).is_file():
+        found = sorted(p.name for p in folder.glob("*.gguf"))
+        raise ValueError(
+            f"--gguf_file {args.gguf_file!r} is not a file in --model {args.model!r} (its GGUF files: {found}); name "
+            "one of them, relative to the model folder."
+        )
     if not folder.is_dir() or args.gguf_file:
         return
     has = {p.name for p in folder.iterdir()}
@@ -226,12 +276,34 @@ def _check_model_folder(args: ModelArgs) -> None:
 
 
 def _check_adapter_output(output_dir: str) -> None:
-    """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`)."""
+    """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`), and
+    never over an adapter saved before (a training run would replace it without a word)."""
     if (Path(output_dir) / "config.json").exists():
         raise ValueError(
             f"--output_dir {output_dir!r} holds a model (config.json); saving the adapter there would make "
             "transformers load it into that model on every later load. Choose a new folder for the adapter."
         )
+    names = ("adapter_config.json", "adapter_model.safetensors")
+    saved = [name for name in names if (Path(output_dir) / name).exists()]
+    if saved:
+        raise ValueError(
+            f"--output_dir {output_dir!r} already holds a saved adapter ({', '.join(saved)}), which this run would "
+            "overwrite. Choose a new folder (to continue training that adapter, pass it as --adapter), or delete it."
+        )
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(output_dir: str) -> Iterator[None]:
+    """A failed run leaves no empty --output_dir behind: transformers' Trainer creates the folder when it is built,
+    before training checks some of its options; a folder holding files (checkpoints to resume from) is kept."""
+    existed = Path(output_dir).exists()
+    try:
+        yield
+    except BaseException:
+        folder = Path(output_dir)
+        if not existed and folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def _resume(config: Any) -> str | None:
@@ -261,7 +333,8 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
     columns = list(dict.fromkeys(key for values in results.values() for key in values))
     lines = [f"\n{title}\n", "| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for mode, values in results.items():
-        cells = [f"{values[c]:.2f}" if c in values else "" for c in columns]
+        cells = [("" if c not in values else f"{values[c]}" if isinstance(values[c], int) else f"{values[c]:.2f}")
+                 for c in columns]  # fmt: skip
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.output:
@@ -280,6 +353,7 @@ def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedAr
     from .data import load_rows
     from .evaluation import sts_spearman
 
+    modes = _modes(ev, ["uni", "bi"])  # checked before the model is loaded
     rows = load_rows(data.data, "sts", data.split, data.max_rows)
     model, tokenizer = load_model(model_args)
     prompt = None if embed.prompt in (None, "none") else embed.prompt
@@ -290,7 +364,7 @@ def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedAr
                 pooling=embed.pooling, batch_size=ev.batch_size, max_length=ev.max_length,
             )
         }
-        for mode in _modes(ev, ["uni", "bi"])
+        for mode in modes
     }  # fmt: skip
     return _report(results, ev, f"STS ({len(rows)} pairs)")
 
@@ -298,14 +372,17 @@ def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedAr
 def eval_lm(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, Any]:
     """Language-model loss and perplexity (or multiple-choice accuracy), per mode (default: uni and moe)."""
     from .data import load_rows
-    from .evaluation import lm_loss, multiple_choice_accuracy
+    from .evaluation import check_scoring_mode, lm_loss, multiple_choice_accuracy
     from .modes import track_routing
 
+    modes = _modes(ev, ["uni", "moe"])  # checked before the model is loaded and any mode is scored
+    for mode in modes:
+        check_scoring_mode(mode)
     rows = load_rows(data.data, "lm", data.split, data.max_rows)
     model, tokenizer = load_model(model_args)
     choice = rows.column_names[0] == "question"
     results = {}
-    for mode in _modes(ev, ["uni", "moe"]):
+    for mode in modes:
         with track_routing(model) as routing:  # every batch's routing, not only the last forward's
             if choice:
                 results[mode] = multiple_choice_accuracy(
@@ -323,12 +400,13 @@ def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str,
     from .data import load_rows, texts_of
     from .dependence import attention_dependence
 
+    modes = _modes(ev, ["uni", "bi", "moe"])  # checked before the model is loaded
     rows = load_rows(data.data, "texts", data.split, data.max_rows)
     model, tokenizer = load_model(model_args)
     texts = texts_of(rows)
     results = {
         mode: attention_dependence(model, tokenizer, texts, mode, ev.batch_size, ev.max_length).average
-        for mode in _modes(ev, ["uni", "bi", "moe"])
+        for mode in modes
     }
     return _report(results, ev, f"Attention dependence, percent ({len(texts)} texts)")
 
@@ -346,6 +424,7 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
             "saved settings. Drop those options to continue training it, or drop --adapter to start a new one."
         )
     _check_adapter_output(config.output_dir)
+    resume = _resume(config)
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows)
     seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
@@ -358,21 +437,25 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
             "Use the LoRA expert with --lora_dropout 0.05 or more, or pairs of texts (anchor, positive[, negative])."
         )
     rows = contrastive_pairs(rows)
-    ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=_resume(config))
-    model.save_pretrained(config.output_dir)
+    with _removed_if_left_empty(config.output_dir):
+        ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=resume)
+        model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'train-router', config)}")
     return config.output_dir
 
 
 def _next(model_args: ModelArgs, command: str, config: Any) -> str:
-    """The next command to run on the adapter just saved, with the base it was trained on."""
+    """The next command to run on the adapter just saved, with the base it was trained on and a new folder for its
+    output (an adapter is never saved over another, and an export needs a folder)."""
     given = {
         name: getattr(model_args, name)
         for name in ("model", "gguf_file", "dtype", "device")
         if getattr(model_args, name) != getattr(ModelArgs, name)
     }
     options = "".join(f" --{name} {shlex.quote(str(value))}" for name, value in given.items())
-    return f"ubmoe {command}{options} --adapter {shlex.quote(str(config.output_dir))}"
+    saved = Path(config.output_dir)
+    output = saved.with_name(saved.name + {"train-router": "-router", "export": "-moe"}[command])
+    return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))} --output_dir {shlex.quote(str(output))}"
 
 
 def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
@@ -384,10 +467,12 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
     _check_adapter_output(config.output_dir)
     rows = load_rows(data.data, "sft", data.split, data.max_rows)
+    resume = _resume(config)
     model, tokenizer = load_model(model_args, trainable=True)
-    trainer = RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
-    trainer.train(resume_from_checkpoint=_resume(config))
-    model.save_pretrained(config.output_dir)
+    with _removed_if_left_empty(config.output_dir):
+        trainer = RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
+        trainer.train(resume_from_checkpoint=resume)
+        model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'export', config)}")
     return config.output_dir
 
@@ -411,7 +496,8 @@ def demo(args: Any) -> str:
     """The whole method on SmolLM2-135M-Instruct and the demo data, ending in a report (markdown + plots)."""
     from .demo import run_demo
 
-    return run_demo(args)
+    with _removed_if_left_empty(args.output_dir):
+        return run_demo(args)
 
 
 def _lazy(module: str, name: str) -> Callable[[], type]:
@@ -465,10 +551,20 @@ def run(argv: Sequence[str]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The console entry point: exit status 0 on success (the results are printed, and written by --output)."""
-    run(sys.argv[1:] if argv is None else argv)
+    """The console entry point: exit status 0 on success (the results are printed, and written by --output), 2 with
+    the message alone for a bad input (a value, a file, an adapter: these errors name what was passed and the fix, and
+    a traceback above them only buried that). Any other exception, a bug, keeps its traceback, as does every error
+    with UBMOE_TRACEBACK=1 set."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run(argv)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        if os.environ.get("UBMOE_TRACEBACK"):
+            raise
+        print(f"ubmoe {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    sys.exit(main())

@@ -26,7 +26,7 @@ COLUMNS = {
 
 def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
-    from datasets import load_dataset, load_from_disk
+    from datasets import ReadInstruction, load_dataset, load_from_disk
     from datasets.exceptions import DatasetGenerationError
 
     if spec is None:
@@ -42,11 +42,7 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
                     f"Data file {spec!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
                     "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
                 )
-            if split.split("[")[0] != "train":
-                raise ValueError(
-                    f"--split {split!r}: a single data file holds one split, 'train' (a slice such as 'train[:100]' "
-                    "selects rows). Pass a dataset folder or hub id for other splits, or drop --split."
-                )
+            _check_one_split(split, "a single data file")
             extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
             if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
                 extra.update(keep_default_na=False, na_values=[""])
@@ -55,8 +51,11 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
                 rows = rows.filter(lambda row: bool(row["text"].strip()))
         elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
             # One `Dataset.save_to_disk` folder, which load_dataset refuses (a saved DatasetDict has a folder per
-            # split and loads below): it holds one split, as a single file does.
+            # split and loads below): it holds one split, as a single file does, and --split slices it the same way.
+            _check_one_split(split, "a saved Dataset folder")
             rows = load_from_disk(str(path))
+            parts = ReadInstruction.from_spec(split).to_absolute({"train": len(rows)})
+            rows = rows.select([i for part in parts for i in range(part.from_, part.to)])
         else:
             rows = load_dataset(spec, split=split)
     except DatasetGenerationError as err:  # e.g. a folder of files of different formats or columns
@@ -76,6 +75,19 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
         raise ValueError(f"Data {spec!r} has no rows for {task!r}.")
     _check_cells(rows, spec)
     return rows
+
+
+def _check_one_split(split: str, what: str) -> None:
+    """``split`` reads 'train' or a slice of it, the one split that ``what`` holds (a name it lacked was ignored)."""
+    from datasets import ReadInstruction
+
+    try:
+        ReadInstruction.from_spec(split).to_absolute({"train": 1})
+    except (ValueError, AssertionError) as err:
+        raise ValueError(
+            f"--split {split!r}: {what} holds one split, 'train' (a slice such as 'train[:100]' selects rows), and "
+            f"{split!r} is not it ({err}). Pass a dataset folder or hub id for other splits, or drop --split."
+        ) from None
 
 
 _TEXT_COLUMNS = {"anchor", "positive", "negative", "sentence1", "sentence2", "text", "question"}

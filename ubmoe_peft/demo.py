@@ -25,6 +25,9 @@ from .io import atomic_write_text
 QUESTION = "What is the capital of France?"
 
 
+_OUTPUTS = ("adapter", "report.md", "report.json", "training.png", "dependence.png", "stage1", "stage2")
+
+
 @dataclass
 class DemoArgs:
     output_dir: str = field(default="ubmoe-demo", metadata={"help": "Folder for the report, plots and adapter."})
@@ -49,6 +52,28 @@ class DemoArgs:
     seed: int = field(
         default=0, metadata={"help": "Seed of the new adapter's initialization and of training (data order, dropout)."}
     )
+
+    def __post_init__(self) -> None:  # checked now, not after a minute of loading and measuring the base model
+        from .cli import check_device
+        from .tuners.ubmoe.config import EXPERT_TYPES
+
+        if self.expert_type not in EXPERT_TYPES:
+            raise ValueError(f"--expert_type {self.expert_type!r} is not supported: use one of {list(EXPERT_TYPES)}.")
+        counts = ["contrastive_steps", "contrastive_batch_size", "router_steps", "router_batch_size"]
+        for name in [*counts, "held_out_chats", "dependence_texts"]:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)!r} must be a positive integer.")
+        if self.attention_r < 0:
+            raise ValueError(f"--attention_r {self.attention_r!r}: use 0 (no attention adapter) or a positive rank.")
+        if self.contrastive_lr is not None and not self.contrastive_lr > 0:
+            raise ValueError(f"--contrastive_lr {self.contrastive_lr!r} must be positive, or left out for the default.")
+        check_device(self.device)
+        left = [name for name in _OUTPUTS if (Path(self.output_dir) / name).exists()]
+        if left:
+            raise ValueError(
+                f"--output_dir {self.output_dir!r} already holds a demo's {left}, which this run would overwrite. "
+                "Choose a new --output_dir, or delete that folder first."
+            )
 
 
 def _measure(model: Any, tokenizer: Any, data: dict[str, Any], modes: dict[str, list[str]]) -> dict[str, Any]:

@@ -225,14 +225,19 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-def _in_mode(model: nn.Module, mode: str | None):
-    """Run in ``mode`` (None: the current one), refusing mode bi: there every token attends to later ones, so a
-    next-token score would read the very token it predicts."""
-    if (mode or (get_mode(model) if ubmoe_layers(model) else None)) == "bi":
+def check_scoring_mode(mode: str | None) -> None:
+    """Refuse mode bi for likelihood scores: there every token attends to later ones, so a next-token score would
+    read the very token it predicts."""
+    if mode == "bi":
         raise ValueError(
             "Likelihood scores in mode 'bi' are meaningless: bidirectional attention lets each position see the "
             "token it is asked to predict. Score modes 'uni' or 'moe'; evaluate mode bi with sts_spearman."
         )
+
+
+def _in_mode(model: nn.Module, mode: str | None):
+    """Run in ``mode`` (None: the current one), refusing mode bi (`check_scoring_mode`)."""
+    check_scoring_mode(mode or (get_mode(model) if ubmoe_layers(model) else None))
     return use_mode(model, mode) if mode is not None else nullcontext()
 
 
@@ -243,8 +248,9 @@ def lm_loss(
     mode: str | None = None,
     batch_size: int = 4,
     max_length: int = 512,
-) -> dict[str, float]:
-    """Mean negative log-likelihood per scored token (``loss``), its ``perplexity``, and the ``tokens`` scored.
+) -> dict[str, float | int]:
+    """Mean negative log-likelihood per scored token (``loss``), its ``perplexity``, and the number of ``tokens``
+    scored (an int).
 
     Scored: every token but the first of a text; the completion of a prompt/completion row (every completion turn
     of TRL's conversational rows, lists of turns); the last turn of a chat. ``examples`` may be a datasets.Dataset.
@@ -275,7 +281,7 @@ def lm_loss(
     if tokens == 0:
         raise ValueError("No token to score: every example is empty after its context.")
     loss = -sum(lp for lp, _ in scored) / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": float(tokens)}
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}
 
 
 def multiple_choice_accuracy(
@@ -285,7 +291,7 @@ def multiple_choice_accuracy(
     mode: str | None = None,
     batch_size: int = 8,
     max_length: int = 512,
-) -> dict[str, float]:
+) -> dict[str, float | int]:
     """Accuracy of picking the most likely choice (``accuracy``; ``accuracy_norm`` divides the log-likelihood by the
     choice's length in characters, as lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and
     the 0-based ``label``. As in the harness, each choice is scored as " " + choice without an end-of-text token a
@@ -333,7 +339,7 @@ def multiple_choice_accuracy(
         right += max(range(count), key=sums.__getitem__) == label
         right_norm += max(range(count), key=norms.__getitem__) == label
     n = len(spans)
-    return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": float(n)}
+    return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": n}
 
 
 def _label(row: int, label: Any, count: int) -> int:

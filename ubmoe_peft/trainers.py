@@ -81,6 +81,31 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
         )
 
 
+def check_training_counts(config: Any) -> None:
+    """Counts that transformers' TrainingArguments take unchecked: a batch size of 0 failed in torch's sampler
+    without naming the option, 0 accumulation steps divided by zero, 0 epochs "trained" and saved an untrained
+    adapter, and a negative ``max_steps`` other than -1 ("not set") silently trained by epochs."""
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if config.max_steps == 0 or config.max_steps < -1:
+        raise ValueError(
+            f"max_steps={config.max_steps!r} must be a positive number of optimizer steps, or -1 (the default) to "
+            "train for num_train_epochs."
+        )
+    if config.max_steps == -1 and not config.num_train_epochs > 0:
+        raise ValueError(
+            f"num_train_epochs={config.num_train_epochs!r} with max_steps unset would train nothing and save the "
+            "untrained adapter; give a positive number of epochs, or set max_steps."
+        )
+    if config.learning_rate < 0:
+        raise ValueError(f"learning_rate={config.learning_rate!r} must not be negative (e.g. 3e-4).")
+    max_length = getattr(config, "max_length", None)
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length={max_length!r} must be a positive number of tokens, or None for no limit.")
+
+
 @dataclass
 class ContrastiveConfig(SentenceTransformerTrainingArguments):
     """Stage 1 (contrastive) settings: sentence-transformers' training arguments plus how texts are embedded."""
@@ -119,6 +144,7 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
                 f"max_length={self.max_length} and scale={self.scale} must both be positive "
                 "(max_length in tokens, scale the loss's inverse temperature, e.g. 128 and 20)."
             )
+        check_training_counts(self)
         super().__post_init__()
 
 
@@ -251,6 +277,7 @@ class RouterConfig(SFTConfig):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        check_training_counts(self)
         super().__post_init__()
 
 
