@@ -55,9 +55,11 @@ def test_usage_lists_every_command(capsys):
         assert f"  {command} " in usage
 
 
-def test_unknown_command_names_it_and_the_commands():
-    with pytest.raises(SystemExit, match="(?s)unknown command 'trian-router'.*train-router"):
+def test_unknown_command_names_it_and_the_commands(capsys):
+    with pytest.raises(ValueError, match="(?s)unknown command 'trian-router'.*train-router"):
         run(["trian-router"])
+    assert main(["trian-router"]) == 2  # as every other bad input (it exited 1)
+    assert capsys.readouterr().err.startswith("ubmoe trian-router: error: unknown command 'trian-router'.")
 
 
 def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
@@ -237,6 +239,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["train-contrastive", "--learning_rate", "-1"], ValueError, "learning_rate=-1.0 must not be negative"),
         (["train-contrastive", "--output_dir", "{lora}"], ValueError, "already holds a saved adapter .*overwrite"),
         (["train-router", "--adapter", "{lora}", "--output_dir", "{lora}"], ValueError, "already holds a saved"),
+        (["train-contrastive", "--top_k", "3", "--data", "missing.jsonl"], ValueError, "top_k=3\\) is invalid"),
     ],
 )
 def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
@@ -304,6 +307,8 @@ def test_the_next_command_keeps_the_model_options():
     expected = "ubmoe export --model /models/q --gguf_file q4.gguf --dtype bfloat16 --device cpu --adapter 'out dir'"
     expected += " --output_dir 'out dir-moe'"
     assert _next(given, "export", saved) == expected
+    here = SimpleNamespace(output_dir=".")  # Path(".").with_name raised "has an empty name" after training
+    assert _next(ModelArgs(), "export", here).endswith(f" --output_dir {shlex.quote(str(Path.cwd()) + '-moe')}")
 
 
 def test_blank_lines_of_a_text_file_are_not_texts(files, tmp_path):
@@ -340,10 +345,18 @@ def test_input_errors_print_one_line_and_exit_2_and_bugs_keep_their_traceback(fi
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("ubmoe eval-sts: error: Data file 'missing.tsv' does not exist") and "Traceback" not in err
+    monkeypatch.setenv("UBMOE_TRACEBACK", "0")
+    assert main(argv) == 2
     monkeypatch.setenv("UBMOE_TRACEBACK", "1")
     with pytest.raises(ValueError, match="'missing.tsv' does not exist"):
         main(argv)
     monkeypatch.delenv("UBMOE_TRACEBACK")
+    capsys.readouterr()
+    weightless = Path(files["model"]) / "model.safetensors"
+    weightless.rename(weightless.with_name("elsewhere"))  # a model folder without weights: transformers' OSError
+    assert main(["eval-lm", "--model", files["model"], "--data", files["texts"]]) == 2
+    err = capsys.readouterr().err
+    assert f"ubmoe eval-lm: error: --model {files['model']!r} cannot be loaded: " in err and "Traceback" not in err
 
     def broken(*args):
         raise RuntimeError("a bug")
@@ -407,3 +420,11 @@ def test_demo_options_are_checked_before_the_model_loads(tmp_path):
     (tmp_path / "d" / "report.md").write_text("an earlier run's report")
     with pytest.raises(ValueError, match=r"already holds a demo's \['report.md'\], which this run would overwrite"):
         DemoArgs(output_dir=out)
+
+
+def test_a_device_number_the_machine_lacks_is_named(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ModelArgs(device="cuda:0")
+    with pytest.raises(ValueError, match=r"--device 'cuda:5': this machine has 1 cuda device\(s\), numbered from 0"):
+        ModelArgs(device="cuda:5")  # failed later, in CUDA, with a traceback

@@ -350,6 +350,9 @@ def test_merge_into_a_quantized_base_is_refused_before_any_change(saved_dirs, ex
     assert all(torch.equal(before[k], after[k]) for k in before)
     ubmoe_peft.set_mode(model, "bi")
     assert torch.isfinite(logits(model.eval(), ids_batch(2))).all()  # still wrapped and usable
+    fresh = get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig(expert_type=expert))
+    with pytest.raises(ValueError, match=r"Cannot export to a MoE model: \d+ layers are quantized .*without quant"):
+        fresh.merge_and_unload()  # zero routers never read the bi expert, so the FFN check was never reached
 
 
 def test_router_trainer_on_a_4bit_base_keeps_the_router_dtype(saved_dirs, tmp_path):

@@ -11,7 +11,7 @@ from sentence_transformers import losses
 
 import ubmoe_peft
 from ubmoe_peft import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer, UBMoEConfig
-from ubmoe_peft.io import AdapterMismatchError
+from ubmoe_peft.io import AdapterFileError, AdapterMismatchError
 
 QUIET = dict(report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True)
 
@@ -204,6 +204,22 @@ def test_resuming_from_a_checkpoint_of_another_adapter_shape_is_refused(tokenize
         trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-2"))
     with pytest.raises(FileNotFoundError, match="no modules.json, so it is not a checkpoint of a ContrastiveTrainer"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "r4"))
+
+
+def test_resuming_reads_checkpoint_weights_through_the_safe_loader(tokenizer, tmp_path):
+    """Resuming used PEFT's own `load_peft_weights`, not ubmoe_peft.io's: a truncated file gave a raw SafetensorError
+    and a pickle-only checkpoint was unpickled."""
+    _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "run")
+    trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    weights = checkpoint / "ubmoe_adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "again")
+    with pytest.raises(AdapterFileError, match="cannot be read as safetensors .* truncated or corrupted"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    weights.rename(weights.with_name("adapter_model.bin"))
+    with pytest.raises(AdapterFileError, match=r"holds adapter_model.bin \(a pickle\) but no adapter_model"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):

@@ -54,15 +54,18 @@ def check_device(device: str | None) -> None:
     if device is None:
         return
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except RuntimeError as err:
         raise ValueError(f"--device {device!r} is not a device ({err}); use 'cpu', 'cuda' or 'cuda:1'.") from None
-    backend = getattr(torch, kind, None)
+    kind, backend = parsed.type, getattr(torch, parsed.type, None)
     if kind != "cpu" and callable(getattr(backend, "is_available", None)) and not backend.is_available():
         raise ValueError(
             f"--device {device!r}: this torch ({torch.__version__}) has no {kind} device available. Use --device cpu, "
             "or leave --device out to take 'cuda' when there is one."
         )
+    count = backend.device_count() if kind != "cpu" and callable(getattr(backend, "device_count", None)) else None
+    if parsed.index is not None and count is not None and parsed.index >= count:
+        raise ValueError(f"--device {device!r}: this machine has {count} {kind} device(s), numbered from 0.")
 
 
 @dataclass
@@ -197,8 +200,8 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
             tokenizer = AutoTokenizer.from_pretrained(args.model, gguf_file=args.gguf_file)
             model = AutoModelForCausalLM.from_pretrained(args.model, gguf_file=args.gguf_file, dtype=dtypes[args.dtype])
         except OSError as err:
-            if Path(args.model).exists():
-                raise
+            if Path(args.model).exists():  # e.g. a folder without weights ("no file named model.safetensors")
+                raise ValueError(f"--model {args.model!r} cannot be loaded: {err}") from err
             raise ValueError(
                 f"--model {args.model!r} is not a local folder (relative to {Path.cwd()}), and loading it as a hub "
                 f"model id failed ({str(err).splitlines()[0]}). Pass a model folder or a reachable hub id."
@@ -425,6 +428,8 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
         )
     _check_adapter_output(config.output_dir)
     resume = _resume(config)
+    if model_args.adapter is None:
+        UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows)
     seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
@@ -454,7 +459,8 @@ def _next(model_args: ModelArgs, command: str, config: Any) -> str:
     }
     options = "".join(f" --{name} {shlex.quote(str(value))}" for name, value in given.items())
     saved = Path(config.output_dir)
-    output = saved.with_name(saved.name + {"train-router": "-router", "export": "-moe"}[command])
+    beside = saved if saved.name else saved.resolve()  # "." or "..": name the folder beside it by its real name
+    output = beside.with_name(beside.name + {"train-router": "-router", "export": "-moe"}[command])
     return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))} --output_dir {shlex.quote(str(output))}"
 
 
@@ -542,7 +548,7 @@ def run(argv: Sequence[str]) -> Any:
         return None
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        raise SystemExit(f"ubmoe: unknown command {command!r}.\n\n{_usage()}")
+        raise ValueError(f"unknown command {command!r}.\n\n{_usage()}")
     function, classes = COMMANDS[command]
     classes = [c if dataclasses.is_dataclass(c) else c() for c in classes]
     parser = HfArgumentParser(classes, prog=f"ubmoe {command}", description=function.__doc__)
@@ -558,8 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         run(argv)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        if os.environ.get("UBMOE_TRACEBACK"):
+    except (ValueError, FileExistsError, FileNotFoundError, NotImplementedError) as err:
+        if os.environ.get("UBMOE_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"ubmoe {argv[0]}: error: {err}", file=sys.stderr)
         return 2

@@ -82,7 +82,7 @@ def _check_one_split(split: str, what: str) -> None:
     from datasets import ReadInstruction
 
     try:
-        ReadInstruction.from_spec(split).to_absolute({"train": 1})
+        ReadInstruction.from_spec(split).to_absolute({"train": 10**6})  # any size: only the name and form count
     except (ValueError, AssertionError) as err:
         raise ValueError(
             f"--split {split!r}: {what} holds one split, 'train' (a slice such as 'train[:100]' selects rows), and "

@@ -25,7 +25,7 @@ from .io import atomic_write_text
 QUESTION = "What is the capital of France?"
 
 
-_OUTPUTS = ("adapter", "report.md", "report.json", "training.png", "dependence.png", "stage1", "stage2")
+_OUTPUTS = ("adapter", "report.md", "report.json", "training.png", "dependence.png")
 
 
 @dataclass

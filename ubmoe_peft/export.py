@@ -94,9 +94,18 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     """The transformers MoE model equal to ``model`` (a causal LM holding UBMoE layers) in mode moe."""
     from transformers import AutoModelForCausalLM
 
+    from .tuners.ubmoe.bnb import is_quantized_linear
     from .tuners.ubmoe.layer import UBMoELayer
 
     config = model.config
+    quantized = [name for name, module in model.named_modules() if is_quantized_linear(module)]
+    if quantized:  # checked for the whole model: a layer whose bi expert is never picked reads no merged weights
+        raise ValueError(
+            f"Cannot export to a MoE model: {len(quantized)} layers are quantized (e.g. {quantized[0]!r}), and the "
+            "export is a plain dense transformers model. Load the base model without quantization (dtype="
+            "torch.bfloat16 or float32), load the adapter onto it with PeftModel.from_pretrained(base, adapter_dir), "
+            "then merge."
+        )
     target = MOE_EXPORTS.get(config.model_type)
     if target is None:
         raise NotImplementedError(

@@ -231,7 +231,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         adapter weights are loaded through PEFT, which checks that they fill this adapter exactly.
         """
         from peft import set_peft_model_state_dict
-        from peft.utils import load_peft_weights
+        from peft.peft_model import load_peft_weights  # ubmoe_peft.io's safe reader (peft.utils' is PEFT's own)
 
         adapter = self.peft_model.active_adapter
         folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
