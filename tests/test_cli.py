@@ -383,6 +383,9 @@ def test_training_never_overwrites_a_saved_adapter_nor_leaves_an_empty_folder(fi
     with pytest.raises(RuntimeError, match="training failed"):
         run([*train, "--output_dir", str(tmp_path / "new")])  # the trainer had created it
     assert not (tmp_path / "new").exists()
+    with pytest.raises(RuntimeError, match="training failed"):
+        run([*train, "--output_dir", str(tmp_path / "a" / "b" / "c")])
+    assert not (tmp_path / "a").exists()  # the folders the run created above its own go too
     (tmp_path / "mine").mkdir()
     with pytest.raises(RuntimeError, match="training failed"):
         run([*train, "--output_dir", str(tmp_path / "mine")])

@@ -299,11 +299,13 @@ def _check_adapter_output(output_dir: str) -> None:
 def _removed_if_left_empty(output_dir: str) -> Iterator[None]:
     """A failed run leaves no empty --output_dir behind: transformers' Trainer creates the folder when it is built,
     before training checks some of its options; a folder holding files (checkpoints to resume from) is kept."""
-    existed = Path(output_dir).exists()
+    folder = Path(output_dir).absolute()
+    while not folder.parent.exists():  # the topmost folder this run creates: a/b/c may create a and b too
+        folder = folder.parent
+    existed = folder.exists()
     try:
         yield
     except BaseException:
-        folder = Path(output_dir)
         if not existed and folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
             shutil.rmtree(folder, ignore_errors=True)
         raise
