@@ -809,6 +809,33 @@ def test_loading_onto_the_base_that_was_wrapped_gives_a_working_model(saved_in, 
             use_old()  # the old model would run in the new one's mode
 
 
+@pytest.mark.parametrize(
+    ("first", "saved"),
+    [
+        (dict(expert_type="lora"), dict(expert_type="copy")),
+        (dict(expert_type="copy"), dict(expert_type="lora", attention_r=4)),
+        (dict(attention_r=4), dict()),
+        (dict(), dict(layers_to_transform=[1])),
+    ],
+)
+def test_loading_an_adapter_of_other_settings_onto_the_wrapped_base_replaces_the_first(first, saved, tmp_path):
+    """The earlier wrap's same-named adapter was left in the layers beside the loaded one (a LoRA expert beside a copy,
+    an attention adapter, a layer the saved adapter does not cover), so the load failed blaming the file and left
+    the base holding both."""
+    source = get_peft_model(tiny_model("llama"), UBMoEConfig(**saved)).eval()
+    perturb_adapters(source)
+    source.save_pretrained(tmp_path)
+    ids, mask = batch(padding="left")
+    expected = logits_per_mode(source, ids, mask)
+    base = tiny_model("llama")
+    perturb_adapters(get_peft_model(base, UBMoEConfig(**first)), seed=2)
+    loaded = PeftModel.from_pretrained(base, tmp_path).eval()
+    assert sorted(n for n, _ in loaded.named_parameters() if ".ubmoe_" in n) == sorted(
+        n for n, _ in source.named_parameters() if ".ubmoe_" in n
+    )
+    torch.testing.assert_close(logits_per_mode(loaded, ids, mask), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_mixed_adapter_batch_is_refused():
     """PEFT's ``adapter_names=`` (one adapter per row) was dropped by PeftModel: every row ran the active adapter."""
     for task_type in (None, "CAUSAL_LM"):

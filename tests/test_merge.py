@@ -65,6 +65,27 @@ def test_merged_bi_model_saves_and_loads_bidirectional_without_ubmoe(expert, tmp
     assert (hidden(loaded, changed, mask)[0, 0] - before[0, 0]).abs().max() > 1e-6
 
 
+def test_merge_bi_leaves_models_sharing_the_config_object_causal():
+    """transformers' ``from_config`` keeps the config object it is given: the merge set ``is_causal=False`` on it, so
+    every other model built from it silently turned bidirectional."""
+    torch.manual_seed(0)
+    config = CONFIGS["llama"]()
+    config._attn_implementation = "sdpa"
+    other = AutoModelForCausalLM.from_config(config).eval()
+    model = get_peft_model(AutoModelForCausalLM.from_config(config).eval(), UBMoEConfig()).eval()
+    assert other.config is model.config
+    ids, mask = batch(padding=None)
+    before = hidden(other, ids, mask)
+    merged = model.merge_and_unload(target="bi")
+    assert merged.config.is_causal is False and getattr(config, "is_causal", None) is not False
+    assert all(m.config is merged.config for m in merged.modules() if hasattr(m, "config"))
+    torch.testing.assert_close(hidden(other, ids, mask), before, rtol=0, atol=0)
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1 - 3) % (128 - 3) + 3
+    torch.testing.assert_close(hidden(other, changed, mask)[:, 0], before[:, 0], rtol=0, atol=0)  # still causal
+    assert (hidden(merged, changed, mask)[:, 0] - hidden(merged, ids, mask)[:, 0]).abs().max() > 1e-6
+
+
 def test_merge_bi_in_bf16_stays_close_to_mode_bi():
     model = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), UBMoEConfig()).eval()
     perturb_adapters(model, std=0.05)
@@ -219,6 +240,43 @@ def test_export_refuses_architectures_without_a_transformers_moe_twin():
     with pytest.raises(NotImplementedError, match=r"model_type='gemma'.*target='bi'"):
         model.merge_and_unload()
     assert all(torch.equal(before[k], v) for k, v in state(model).items())
+
+
+@pytest.mark.parametrize(
+    ("auto", "task_type"), [("AutoModel", None), ("AutoModelForSequenceClassification", "SEQ_CLS")]
+)
+def test_export_refuses_a_model_that_is_not_a_causal_lm(auto, task_type):
+    """The export built a MixtralForCausalLM whatever the base was: a strict load_state_dict then failed with a
+    screen of missing keys (no LM head) or an unexpected classifier ``score.weight``."""
+    import transformers
+
+    torch.manual_seed(0)
+    base = getattr(transformers, auto).from_config(CONFIGS["llama"]()).eval()
+    model = get_peft_model(base, UBMoEConfig(task_type=task_type)).eval()
+    perturb_adapters(model)
+    before = state(model)
+    with pytest.raises(ValueError, match=rf"\(LlamaForCausalLM here\).*is a {type(base).__name__}.*target='bi'"):
+        model.merge_and_unload()
+    assert all(torch.equal(before[k], v) for k, v in state(model).items())
+    assert type(model.merge_and_unload(target="bi")) is type(base)  # the embedding model is fine
+
+
+@pytest.mark.parametrize(("model_dtype", "router_dtype"), [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_export_warns_when_the_routers_compute_in_another_dtype_than_the_export(model_dtype, router_dtype):
+    """transformers computes a MoE gate in the model's dtype: an fp32 model with bf16 routers exported silently
+    differed from mode moe (logits by up to 0.12 on a tiny model) where tokens' two logits lay within bf16 rounding."""
+    import warnings
+
+    config = UBMoEConfig(router_dtype=router_dtype)
+    model = get_peft_model(tiny_model("llama", dtype=getattr(torch, model_dtype)), config).eval()
+    perturb_adapters(model)
+    with pytest.warns(UserWarning, match=rf"routers compute in torch.{router_dtype} .*dtype, torch.{model_dtype}"):
+        model.merge_and_unload()
+    same = get_peft_model(tiny_model("llama", dtype=getattr(torch, model_dtype)), UBMoEConfig(router_dtype=model_dtype))
+    perturb_adapters(same)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*routers compute in")
+        same.merge_and_unload()  # the same dtype: an exact export, no warning
 
 
 def test_export_refuses_biases_mixtral_does_not_have():

@@ -14,12 +14,14 @@ What carries over exactly and what does not:
   model. Other exact ties need ``x . (w_bi - w_uni) == 0`` exactly and are left alone.
 - top-2: both mix the two experts with the softmax weights (Mixtral renormalises them, a rounding-level difference).
 - transformers computes router logits in the model's dtype; UBMoE in ``router_dtype`` (fp32 by default). In a bf16
-  model the exported router is rounded to bf16, which can flip a token whose two logits are within bf16 rounding.
+  model the exported router is rounded to bf16 (and in an fp32 model a bf16 router's input is no longer rounded),
+  which can flip a token whose two logits are within rounding; the export warns whenever the two dtypes differ.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -113,6 +115,14 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
             f"transformers has no MoE architecture matching model_type={config.model_type!r}. Keep the adapter "
             "separate (model.save_pretrained) for generation, or use target='bi' for the embedding model."
         )
+    causal_lm = AutoModelForCausalLM._model_mapping[type(config)]  # e.g. LlamaForCausalLM for a LlamaConfig
+    if not isinstance(model, causal_lm):
+        raise ValueError(
+            f"merge_and_unload(target='moe') exports a causal language model ({causal_lm.__name__} here) to its MoE "
+            f"counterpart, but this model is a {type(model).__name__}, whose head (or lack of one) the MoE model "
+            "cannot hold. Use target='bi' for the dense embedding model, or keep the adapter separate "
+            "(model.save_pretrained)."
+        )
     layers = decoder_layers(model)
     ffns = {i: getattr(layer, "mlp", None) for i, (_, layer) in enumerate(layers)}
     wrapped = {i: f for i, f in ffns.items() if isinstance(f, UBMoELayer) and adapter in f.ubmoe_router}
@@ -150,6 +160,15 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
 
     dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
     device = next(model.parameters()).device
+    router_dtypes = sorted({str(ffn.ubmoe_router[adapter].weight.dtype) for ffn in wrapped.values()} - {str(dtype)})
+    if router_dtypes:
+        warnings.warn(
+            f"The routers compute in {', '.join(router_dtypes)} (UBMoEConfig.router_dtype), but the exported model "
+            f"computes its gates in the model's dtype, {dtype}: a token whose two router logits lie within rounding "
+            "of each other may pick the other expert, so the export can differ slightly from mode moe. For an exact "
+            "export, merge a model whose dtype is the router_dtype.",
+            stacklevel=3,
+        )
     moe_config = _config(config, target, top_k, dense)
     head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
     if (

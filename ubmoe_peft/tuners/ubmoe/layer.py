@@ -140,6 +140,14 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 modules[adapter_name].train(self.training)
         self.set_adapter(self.active_adapters)
 
+    def drop_adapter(self, adapter_name: str) -> None:
+        """Remove every part of adapter ``adapter_name`` from this layer, keeping the active adapter names as they are
+        (PEFT's ``delete_adapter`` would switch to another; here the same name is about to be added again)."""
+        for name in (*self.adapter_layer_names, *self.other_param_names):
+            if adapter_name in getattr(self, name):  # ModuleDict.pop takes no default
+                del getattr(self, name)[adapter_name]
+        self._plans.pop(adapter_name, None)
+
     def _add_attention_adapter(self, adapter_name: str, config: UBMoEConfig, device: torch.device) -> None:
         """LoRA on every linear layer of the decoder layer's attention, used only in mode bi (see `_attention_on`)."""
         if self._attention is None:

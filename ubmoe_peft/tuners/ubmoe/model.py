@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
+from transformers import PreTrainedConfig
 
 from ...architectures import (
     FFN_MODULES,
@@ -77,12 +78,12 @@ class UBMoEModel(BaseTuner):
         # object the caller reuses for another model (or another adapter).
         self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
         validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
-        self._take_over(model)
+        self._take_over(model, adapter_name)
         self._ubmoe_decoder = _in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
 
-    def _take_over(self, model: nn.Module) -> None:
+    def _take_over(self, model: nn.Module, adapter_name: str) -> None:
         """Make UBMoE layers of an earlier PeftModel on this same base follow this model.
 
         get_peft_model changes the base in place, and PEFT then wraps it again (with a warning): the MISSION's
@@ -90,7 +91,10 @@ class UBMoEModel(BaseTuner):
         gain the adapter; ours also read their mode from the model that made them, and that model's backbone hooks
         stay on the base. Left so, set_mode on the new model would not reach the layers (its mode uni would not be
         the base model) and the old hooks would keep a mode-bi attention bidirectional. So the layers follow this
-        model, the old hooks go, and the old model refuses mode switches from now on, naming why."""
+        model, the old hooks go, and the old model refuses mode switches from now on, naming why. The earlier model's
+        adapter of the name being added goes from every layer first (PEFT's LoRA replaces a same-named adapter too):
+        one saved with other settings (the other expert type, no attention adapter, fewer layers) would otherwise sit
+        beside the new one, and loading the new one's weights would fail on the leftover parameters."""
         layers = [m for m in model.modules() if isinstance(m, UBMoELayer) and m._state is not self._ubmoe_state]
         if not layers:
             return
@@ -104,6 +108,7 @@ class UBMoEModel(BaseTuner):
         for layer in layers:
             layer._state.superseded = True
             layer._state = self._ubmoe_state
+            layer.drop_adapter(adapter_name)
             layer.set_attention_hooks(self._ubmoe_state.attention_hooked)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
@@ -340,6 +345,7 @@ class UBMoEModel(BaseTuner):
         for layer in layers:
             layer.merge_attention(attention[id(layer)])
         model = self._unwrap(lambda layer: merged.get(id(layer), layer.base_layer), adapter)
+        _own_config(model)
         for config in {id(c): c for c in (getattr(model, "config", None), text_config(model)) if c}.values():
             config.is_causal = False  # masking_utils: a bidirectional mask for every attention implementation
         return model
@@ -609,3 +615,26 @@ def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str,
                 f"UBMoEConfig(attention_r={config.attention_r}) is larger than the attention's {proj_name} "
                 f"({proj.in_features} -> {proj.out_features}); use a rank of at most min(in, out)."
             )
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a private copy of its config (and of each sub-config), on every submodule that holds one.
+
+    transformers' ``from_config`` keeps the config object it is given, so models built from one object share it; the
+    bi merge's ``is_causal = False`` on a shared object would turn every other model built from it bidirectional."""
+    config = getattr(model, "config", None)
+    if not isinstance(config, PreTrainedConfig):
+        return
+    private = copy.deepcopy(config)
+    copies: dict[int, PreTrainedConfig] = {}
+    pending = [(config, private)]
+    while pending:  # the config and its sub-configs (a multimodal model's text and vision configs), old -> new
+        old, new = pending.pop()
+        copies[id(old)] = new
+        pending.extend(
+            (value, getattr(new, key)) for key, value in vars(old).items() if isinstance(value, PreTrainedConfig)
+        )
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in copies:
+            module.config = copies[id(held)]
