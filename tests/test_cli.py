@@ -137,6 +137,10 @@ def test_training_with_the_same_seed_or_resumed_gives_the_same_adapter(files, tm
     assert all(torch.equal(saved[0][k], resumed[k]) for k in saved[0])
     with pytest.raises(ValueError, match="--resume_from_checkpoint 'nowhere' is not a folder"):
         run([*model, "--output_dir", str(tmp_path / "f"), "--resume_from_checkpoint", "nowhere"])
+    other = ["--lora_alpha", "64", "--resume_from_checkpoint", str(tmp_path / "d" / "checkpoint-1")]
+    with pytest.raises(ValueError, match=r"with lora_alpha=16\S* \(the model has 64"):  # it went on under alpha 64
+        run([*model, "--output_dir", str(tmp_path / "g"), *other])
+    assert not (tmp_path / "g").exists()
 
 
 def test_data_from_a_saved_dataset_folder_and_split_slices_of_a_file(files, tmp_path):

@@ -193,6 +193,25 @@ def test_unwrapped_model_is_refused(tokenizer):
         to_sentence_transformer(tiny_model(), tokenizer)
 
 
+def test_the_merged_embedding_model_embeds_the_same_through_sentence_transformers_alone(tokenizer, tmp_path):
+    """The way the docs give for embedding a ``merge_and_unload(target="bi")`` model without ubmoe-peft. A plain
+    ``Transformer(folder)`` gives a tokenizer with a chat template (every chat model's) the "message" modality:
+    sentence-transformers then wraps each text in the chat template, and the embeddings differed by 2.1."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    tokenizer.chat_template = "{% for m in messages %}" + w(30, 31) + " {{ m['content'] }} {% endfor %}"
+    model = _wrapped()
+    texts = [w(5, 6, 7, 8), w(9, 10)]
+    expected = to_sentence_transformer(model, tokenizer, prompt=None).encode(texts, convert_to_tensor=True)
+    model.merge_and_unload(target="bi").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    text = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}  # as in docs/usage.md
+    module = Transformer(str(tmp_path), modality_config=text, module_output_name="token_embeddings")
+    st = SentenceTransformer(modules=[module, Pooling(module.get_embedding_dimension(), "mean")], device="cpu")
+    torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_and_inputs_are_named(tokenizer):
     model = _wrapped()
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got str 'model_dir'"):

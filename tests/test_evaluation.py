@@ -278,3 +278,28 @@ def test_csv_cells_spelling_na_or_null_are_texts_not_missing(tmp_path):
     csv_file.write_text("sentence1,sentence2,score\nNA,,1.0\n")
     with pytest.raises(ValueError, match=r"row 0 \(counting from 0\) has an empty 'sentence2'"):  # a blank cell is
         load_rows(str(csv_file), "sts")
+
+
+def test_evaluations_of_a_model_offloaded_by_accelerate_are_those_in_memory(model, tokenizer):
+    """They sent their inputs to the first parameter's device, which offloading makes meta: the first call failed
+    with "Cannot copy out of meta tensor" (and left weights loaded, so a second one ran)."""
+    from accelerate import cpu_offload
+
+    tokenizer.pad_token = tokenizer.eos_token
+    texts = [w(*range(5, 14)), w(20, 21, 22, 23)]
+    rows = [{"question": w(5, 6), "choices": [w(7), w(8), w(9, 10)], "label": label} for label in range(3)]
+
+    def scores():
+        return (
+            lm_loss(model, tokenizer, texts, mode="moe"),
+            multiple_choice_accuracy(model, tokenizer, rows, mode="moe"),
+            ubmoe_peft.attention_dependence(model, tokenizer, texts, mode="bi").average,
+        )
+
+    expected = scores()
+    cpu_offload(model.get_base_model(), execution_device=torch.device("cpu"))
+    assert next(model.parameters()).is_meta
+    got = scores()
+    assert got[0]["tokens"] == expected[0]["tokens"] and got[0]["loss"] == pytest.approx(expected[0]["loss"])
+    assert got[1] == expected[1]
+    assert got[2] == pytest.approx(expected[2])

@@ -143,10 +143,10 @@ def test_each_trainer_trains_its_own_stage_whichever_was_made_last(tokenizer, tm
         assert ubmoe_peft.get_mode(model) == {"contrastive": "bi", "router": "moe"}[stage]
 
 
-def _stage_run(stage: str, tokenizer, out, adapter: str = "default", r: int = 8):
+def _stage_run(stage: str, tokenizer, out, adapter: str = "default", **settings):
     """A fresh model (same seed: same experts) and a 4-step trainer of ``stage`` that saves every 2 steps."""
     torch.manual_seed(0)
-    model = get_peft_model(tiny_model(), UBMoEConfig(r=r), adapter_name=adapter)
+    model = get_peft_model(tiny_model(), UBMoEConfig(**settings), adapter_name=adapter)
     keep = dict(output_dir=str(out), max_steps=4, save_strategy="steps", save_steps=2, seed=0)
     quiet = {**QUIET, **keep}
     if stage == "contrastive":
@@ -193,10 +193,66 @@ def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp
     assert all(torch.equal(own[k], saved[k]) for k in saved)
 
 
+@pytest.mark.parametrize("adapters", [["other"], ["default", "b"]])
+def test_router_trainer_loads_the_best_checkpoint_of_the_adapter_it_trains(tokenizer, tmp_path, adapters):
+    """transformers reloads only a checkpoint's top-level adapter (the one named "default") into the active adapter:
+    a named adapter's best weights were not restored, and with two the active one got "default"'s."""
+    from peft.utils import load_peft_weights
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model(), UBMoEConfig(), adapter_name=adapters[0])
+    for name in adapters[1:]:
+        model.add_adapter(name, UBMoEConfig())
+    model.set_adapter(adapters[-1])
+    _trained_experts(model)
+    # greater_is_better on the loss picks the worse checkpoint: the earlier one, not the model as training left it
+    best = dict(load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    steps = {**QUIET, "save_strategy": "steps", "save_steps": 2, "eval_strategy": "steps", "eval_steps": 2}
+    args = RouterConfig(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, max_length=32, learning_rate=0.05,
+        **steps, **best,
+    )  # fmt: skip
+    trainer = RouterTrainer(
+        model, args=args, train_dataset=_texts(), eval_dataset=_texts(8), processing_class=tokenizer
+    )
+    trainer.train()
+
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    for name in adapters:
+        folder = tmp_path / "checkpoint-2" / ("" if name == "default" else name)
+        saved = load_peft_weights(str(folder))
+        own = {k.replace(f".{name}.", "."): p for k, p in model.state_dict().items() if f".ubmoe_router.{name}" in k}
+        last = load_peft_weights(str(tmp_path / "checkpoint-4" / ("" if name == "default" else name)))
+        assert own and all(torch.equal(own[k], saved[k]) for k in own), name
+        if name == adapters[-1]:  # the trained one moved after step 2
+            assert not all(torch.equal(own[k], last[k]) for k in own)
+    assert ubmoe_peft.get_mode(model) == "moe" and model.active_adapter == adapters[-1]
+
+
+@pytest.mark.parametrize("stage", ["contrastive", "router"])
+@pytest.mark.parametrize(
+    "changed", [dict(lora_alpha=64), dict(use_rslora=False), dict(top_k=2), dict(router_gradient="scale")]
+)
+def test_resuming_under_other_adapter_settings_is_refused(tokenizer, tmp_path, stage, changed):
+    """Only tensors of another shape were refused: a checkpoint resumed under another lora_alpha (or top_k, ...)
+    went on training its weights under the model's settings."""
+    _, trainer = _stage_run(stage, tokenizer, tmp_path / "first")
+    trainer.train()
+    ((field, value),) = changed.items()
+    _, trainer = _stage_run(stage, tokenizer, tmp_path / "again", **changed)
+    saved = UBMoEConfig().to_dict()[field]
+    message = rf"by adapter 'default' with {field}={saved!r} \(the model has {value!r}\).*same adapter options as"
+    with pytest.raises(AdapterMismatchError, match=message):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
+
+
 def test_resuming_from_a_checkpoint_of_another_adapter_shape_is_refused(tokenizer, tmp_path):
     _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "r8")
     trainer.train()
     _, trainer = _stage_run("contrastive", tokenizer, tmp_path / "r4", r=4)
+    with pytest.raises(AdapterMismatchError, match=r"with r=8 \(the model has 4\)"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-2"))
+    (tmp_path / "r8" / "checkpoint-2" / "ubmoe_adapter" / "adapter_config.json").unlink()  # weights alone: by shape
     shape = (
         r"do not fit adapter 'default' \(expert_type='lora', r=4, .*12 tensors differ in shape .*\(8, 64\) in the file"
     )
@@ -285,8 +341,11 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         (dict(prompt="{text} and {text}"), "more than one"),
         (dict(prompt="Sentence {sentence} means"), "placeholder '{sentence}'; the text's placeholder is '{text}'"),
         (dict(prompt="Sentence {} means"), "placeholder '{}'"),
-        (dict(max_length=0), "must both be positive"),
-        (dict(scale=-1.0), "must both be positive"),
+        (dict(max_length=0), "max_length=0 must be a positive number of tokens"),
+        (dict(max_length=None), r"max_length=None must be .*no 'no limit' value \(RouterConfig's None\)"),
+        (dict(scale=-1.0), r"scale=-1.0 must be a positive number, the loss's inverse temperature"),
+        (dict(scale=None), r"scale=None must be a positive number"),  # a raw TypeError from a comparison before
+        (dict(scale=float("nan")), r"scale=nan must be a positive number"),
     ],
 )
 def test_contrastive_config_rejects_bad_values(tmp_path, kwargs, message):

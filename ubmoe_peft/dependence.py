@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .architectures import text_config
-from .evaluation import _evaluating, check_sizes, check_tokenizer
+from .evaluation import _evaluating, check_sizes, check_tokenizer, input_device
 from .modes import use_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -74,7 +74,7 @@ def attention_dependence(
         )
     check_tokenizer(tokenizer)
     check_sizes(batch_size, max_length)
-    device = next(model.parameters()).device
+    device = input_device(model)
     totals: torch.Tensor | None = None  # (L, 3) sums over texts
     switch = use_mode(model, mode) if mode is not None else nullcontext()
     with switch, _eager_attention(model), _evaluating(model):  # eval: no dropout in the weights read

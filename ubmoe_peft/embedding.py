@@ -236,7 +236,9 @@ def to_sentence_transformer(
         raise ValueError(
             f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig()). A "
             "model exported with merge_and_unload(target='bi') is a plain bidirectional model: embed it with "
-            "sentence-transformers directly (SentenceTransformer(modules=[Transformer(folder), Pooling(...)]))."
+            "sentence-transformers directly, as text rather than chat messages (see 'Embeddings and diagnosis' in "
+            "docs/usage.md: Transformer(folder, modality_config={'text': {'method': 'forward', 'method_output_name': "
+            "'last_hidden_state'}}, module_output_name='token_embeddings'), then Pooling)."
         )
     encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length, mode=mode)
     pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)

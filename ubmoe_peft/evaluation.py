@@ -188,12 +188,25 @@ def _ids(rendered: Any) -> list[int]:
     return list(rendered["input_ids"] if not isinstance(rendered, list) else rendered)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """The device a model's inputs go to: its first parameter's, or where a model offloaded by accelerate computes
+    (its weights wait on the meta device, and an input sent there holds no data for the hooks to move back)."""
+    device = next(model.parameters()).device
+    if device.type != "meta":
+        return device
+    for module in model.modules():
+        execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if execution is not None:
+            return torch.device(execution)
+    return torch.device("cpu")
+
+
 @torch.no_grad()
 def _continuation_logprobs(
     model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int, max_length: int
 ) -> list[tuple[float, int]]:
     """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end."""
-    device = next(model.parameters()).device
+    device = input_device(model)
     out: list[tuple[float, int]] = []
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .data import refuse_graded_pairs
+from .io import CONFIG_NAME, OUTPUT_SETTINGS, AdapterMismatchError, read_json_config
 from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
 
 try:
@@ -106,6 +107,36 @@ def check_training_counts(config: Any) -> None:
         raise ValueError(f"max_length={max_length!r} must be a positive number of tokens, or None for no limit.")
 
 
+# What makes a resumed run the run it continues: the settings that change what the adapter computes, and the two
+# that act only in training.
+_RUN_SETTINGS = (*OUTPUT_SETTINGS, "router_gradient", "lora_dropout")
+
+
+def _canonical(value: Any) -> Any:
+    return sorted(value, key=str) if isinstance(value, (list, tuple, set)) else value
+
+
+def check_checkpoint_settings(model: nn.Module, adapter: str, folder: Path, checkpoint: str) -> None:
+    """Refuse to resume adapter ``adapter`` of ``model`` from a checkpoint saved with other settings.
+
+    The checkpoint's weights are loaded into the running adapter, whose settings win: a checkpoint trained with
+    ``lora_alpha=16`` resumed under 64 went on with a LoRA scale of 8 instead of 5.66, and a changed ``top_k`` or
+    ``router_gradient`` silently became another run. Only tensors of another shape were refused."""
+    path = folder / CONFIG_NAME
+    configs = getattr(model, "peft_config", {})
+    if adapter not in configs or not path.is_file():  # a missing file is named by the weights loader
+        return
+    saved, current = read_json_config(path), configs[adapter].to_dict()
+    differ = [k for k in _RUN_SETTINGS if _canonical(saved.get(k)) != _canonical(current.get(k))]
+    if differ:
+        shown = ", ".join(f"{k}={saved.get(k)!r} (the model has {current.get(k)!r})" for k in differ)
+        raise AdapterMismatchError(
+            f"Checkpoint {checkpoint!r} was saved by adapter {adapter!r} with {shown}; resuming would go on training "
+            "its weights under the model's settings. Resume with the checkpoint's settings (on the command line, the "
+            "same adapter options as the run that saved it), or start a new run without resume_from_checkpoint."
+        )
+
+
 @dataclass
 class ContrastiveConfig(SentenceTransformerTrainingArguments):
     """Stage 1 (contrastive) settings: sentence-transformers' training arguments plus how texts are embedded."""
@@ -139,11 +170,13 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
         from .embedding import check_prompt
 
         check_prompt(self.prompt)
-        if self.max_length < 1 or self.scale <= 0:
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
             raise ValueError(
-                f"max_length={self.max_length} and scale={self.scale} must both be positive "
-                "(max_length in tokens, scale the loss's inverse temperature, e.g. 128 and 20)."
+                f"max_length={self.max_length!r} must be a positive number of tokens (e.g. 128): stage 1 embeds texts "
+                "truncated to it, so it has no 'no limit' value (RouterConfig's None)."
             )
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
+            raise ValueError(f"scale={self.scale!r} must be a positive number, the loss's inverse temperature (as 20)")
         check_training_counts(self)
         super().__post_init__()
 
@@ -237,6 +270,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
         if adapter != "default":  # PEFT saves other adapters in a subfolder of their name
             folder = folder / adapter
+        check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path)
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
 
 
@@ -328,11 +362,27 @@ class RouterTrainer(SFTTrainer):
             return super().predict(*args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # transformers saves the adapter "default" at the checkpoint's top and every other one in a subfolder
+        folder = Path(resume_from_checkpoint)
+        for adapter in getattr(self.model, "peft_config", {}):
+            check_checkpoint_settings(
+                self.model, adapter, folder if adapter == "default" else folder / adapter, resume_from_checkpoint
+            )
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         # transformers reloads a checkpoint of a named (not "default") adapter with PEFT's set_adapter, which makes
         # every weight of the adapter trainable: the experts would join the routers, and resuming failed on the saved
         # optimizer state. Stage 2 trains the routers only.
         set_stage(self.model, "router")
+
+    def _load_best_model(self) -> None:
+        """transformers' version reloads only the best checkpoint's top-level adapter files (adapter "default") into
+        the active adapter: a named adapter's best weights were not restored (a log line said so), and with several
+        adapters the active one got "default"'s. A resume reads every adapter of a checkpoint under its own name, so
+        the best checkpoint is loaded the same way."""
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # their own checkpoint formats
+            super()._load_best_model()
+            return
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
