@@ -187,6 +187,26 @@ def test_stage_step_changes_only_trainable_parameters(saved_dirs, quant, expert,
     assert changed == {n for n in trainable}, (sorted(changed ^ trainable))[:5]
 
 
+def test_a_copy_expert_under_fp16_compute_trains_with_loss_scaling(saved_dirs):
+    """bnb_4bit_compute_dtype=float16 (QLoRA on GPUs without bf16) made the copy expert trainable fp16, which fp16
+    mixed precision refuses at its first step ("Attempting to unscale FP16 gradients")."""
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float16)
+    base = AutoModelForCausalLM.from_pretrained(saved_dirs[128], quantization_config=quant, device_map="cpu")
+    model = get_peft_model(prepare_model_for_kbit_training(base), UBMoEConfig(expert_type="copy"))
+    ubmoe_peft.set_stage(model, "contrastive")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {torch.float32}
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    before = [p.detach().clone() for p in trainable]
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = contrastive_loss(model, ids_batch(4))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)  # unscales first: the step that failed
+    scaler.update()
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainable, strict=True))
+
+
 # ---- gradients against the dequantized float model ----------------------------------------------------------------
 def _expert_grads(model: nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     model.zero_grad()
@@ -292,6 +312,39 @@ def test_intermediate_size_bnb_cpu_packing_rejects(saved_dirs, expert):
     torch.testing.assert_close(logits(model, ids), logits(reference, ids), rtol=0, atol=5e-2)
 
 
+@pytest.mark.parametrize("expert", ["lora", "copy"])
+@pytest.mark.parametrize("quant", ["nf4-bf16-dq", "fp4-fp32"])
+def test_bnb_cpu_repacking_is_undone_when_wrapping(saved_dirs, quant, expert):
+    """On an AVX512-BF16 CPU bitsandbytes repacks a Linear4bit for its inference kernel at the first eval-mode
+    no-grad forward (a check of the base before wrapping it does that); wrapping undoes it. bitsandbytes' inverse
+    puts the absmax scales back in order only for double quantization: without it (BitsAndBytesConfig's default)
+    every weight wider than one 64-column block was read with other blocks' scales, 21-26% off, silently. The
+    repacking is applied here with bitsandbytes' own function, as its forward would on such a CPU."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    reference = load_quantized(saved_dirs[128], quant)
+    model = load_quantized(saved_dirs[128], quant)
+    for module in model.modules():
+        if is_quantized_linear(module):
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
+                module.weight.data, module.weight.quant_state
+            )
+    model = get_peft_model(model, UBMoEConfig(expert_type=expert)).eval()
+    for name, module in reference.named_modules():
+        if is_quantized_linear(module):
+            ours = model.get_base_model().get_submodule(name.replace(".mlp.", ".mlp.base_layer."))
+            assert not ours.weight.quant_state.packing_format_for_cpu, name
+            want = dequantized_weight(module).float()  # (out, in)
+            # the repacking rounds the absmax scales to bf16 (unit roundoff 2^-9): that much error stays
+            error = (dequantized_weight(ours).float() - want).norm() / want.norm()
+            assert error < 5e-3, (name, float(error))
+    ubmoe_peft.set_mode(model, "uni")
+    prepare_reference = get_peft_model(reference, UBMoEConfig(expert_type=expert)).eval()  # the generic kernel path
+    ubmoe_peft.set_mode(prepare_reference, "uni")
+    ids = ids_batch(2)
+    torch.testing.assert_close(logits(model, ids), logits(prepare_reference, ids), rtol=0, atol=5e-2)
+
+
 def test_unquantized_bnb_layer_gets_a_clear_error():
     ffn_model = AutoModelForCausalLM.from_config(_config())
     layer = ffn_model.model.layers[0].mlp
@@ -301,6 +354,15 @@ def test_unquantized_bnb_layer_gets_a_clear_error():
         get_peft_model(ffn_model, UBMoEConfig())
     with pytest.raises(TypeError, match="not quantized yet"):
         backend_for(layer.up_proj)
+
+
+def test_an_8bit_base_keeping_float_weights_is_named(saved_dirs):
+    """llm_int8_has_fp16_weight=True keeps float weights in Linear8bitLt: the error said the layer was not
+    quantized yet and told the user to load it with a BitsAndBytesConfig, which they had done."""
+    quant = BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True)
+    base = AutoModelForCausalLM.from_pretrained(saved_dirs[128], quantization_config=quant, device_map="cpu")
+    with pytest.raises(TypeError, match=r"llm_int8_has_fp16_weight=True.*does not support.*load_in_8bit=True"):
+        get_peft_model(base, UBMoEConfig())
 
 
 # ---- save / load --------------------------------------------------------------------------------------------------

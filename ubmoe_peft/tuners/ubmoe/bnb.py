@@ -4,7 +4,8 @@ Every linear layer is served by one backend, chosen by `backend_for` from ``BACK
 ``dispatch_*`` list; bitsandbytes is imported lazily, only when a bitsandbytes layer is present). A backend says
 
 - ``dequantize(module)``: the float weight ``W ~ Q(W)`` (out, in), what the layer actually multiplies with;
-- ``compute_dtype(module)``: the dtype the layer computes in, which is the dtype of a trainable copy;
+- ``compute_dtype(module)``: the dtype the layer computes in, which is the dtype of a trainable copy (fp32 where that
+  would be fp16, which trains only with loss scaling, and for 8-bit layers);
 - ``prepare(module)``: make the layer safe to train through (see `prepare_quantized_base`).
 
 A LoRA expert needs no backend: ``Linear4bit`` / ``Linear8bitLt`` subclass ``nn.Linear`` and the LoRA delta is added
@@ -54,6 +55,9 @@ def _unpack_cpu_4bit(module: nn.Linear) -> None:
 
     The repacked layout is read only by ``gemv_4bit``, which has no backward: gradients through it are silently
     dropped. The inverse is exact for the 4-bit codes; the absmax scales keep the bf16 rounding the repacking applied.
+    bitsandbytes 0.50's inverse puts the scales back in their order (one per 64-weight block, row-major) only when it
+    re-quantizes them for double quantization: otherwise they stay as the repacking left them, a transposed
+    (blocks per row, rows) bf16 matrix, and every row wider than one block would be read with other blocks' scales.
     """
     state = module.weight.quant_state
     if not getattr(state, "packing_format_for_cpu", False):
@@ -61,6 +65,8 @@ def _unpack_cpu_4bit(module: nn.Linear) -> None:
     from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
     data, state = _convert_weight_packed_for_cpu_inverse(module.weight.data, state)
+    if not state.nested and state.absmax.dim() == 2:  # (in / blocksize, out): back to (out * in / blocksize,)
+        state.absmax = state.absmax.T.reshape(-1).float()
     module.weight.data, module.weight.quant_state = data, state
 
 
@@ -92,8 +98,10 @@ def _dequantize_4bit(module: nn.Linear) -> torch.Tensor:
 
 
 def _compute_dtype_4bit(module: nn.Linear) -> torch.dtype:
+    # fp16 compute (the QLoRA recipe of GPUs without bf16): a trainable copy in fp16 is refused by fp16 mixed
+    # precision ("Attempting to unscale FP16 gradients"), so such copies are fp32, as PEFT keeps LoRA weights.
     dtype = getattr(module, "compute_dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    return dtype if isinstance(dtype, torch.dtype) and dtype != torch.float16 else torch.float32
 
 
 # ---- 8-bit ----------------------------------------------------------------------------------------------------------
@@ -153,6 +161,13 @@ def backend_for(module: nn.Module) -> LinearBackend:
     for backend in BACKENDS:
         if backend.matches(module):
             return backend
+    if is_quantized_linear(module) and getattr(module.weight, "has_fp16_weights", False):
+        raise TypeError(
+            f"{type(module).__name__}({module.in_features} -> {module.out_features}) keeps a {module.weight.dtype} "
+            "weight (BitsAndBytesConfig(llm_int8_has_fp16_weight=True), LLM.int8() training in full precision), "
+            "which UBMoE does not support. Load the base with BitsAndBytesConfig(load_in_8bit=True) (int8 weights, "
+            "the default) or load_in_4bit=True, or unquantized."
+        )
     if is_quantized_linear(module) and module.weight.dtype.is_floating_point:
         raise TypeError(
             f"{type(module).__name__}({module.in_features} -> {module.out_features}) is a bitsandbytes layer that is "
