@@ -2,8 +2,9 @@
 
 ``peft.register_peft_method`` only accepts names that are already members of ``PeftType``, and PEFT offers no
 public way to add one, so the member is added here with the enum's own bookkeeping (the same three tables that
-``enum`` fills for a member declared in the class body). ``tests/test_registration.py`` checks the result the way
-PEFT uses it: lookup by value, by name, iteration, and JSON round trips of ``adapter_config.json``.
+``enum`` fills for a member declared in the class body). ``tests/test_core.py::test_registered_with_peft`` and
+``::test_registration_survives_reimport`` check the result the way PEFT uses it: lookup by value, by name, iteration,
+and JSON round trips of ``adapter_config.json``.
 """
 
 from __future__ import annotations

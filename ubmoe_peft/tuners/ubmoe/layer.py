@@ -14,16 +14,15 @@ renormalisation the top-1 weight is the constant 1 and the router would get no g
 says whether to scale the chosen expert up or down (``router_gradient="scale"``); by default a training router sees
 both experts instead (``"compare"``, `UBMoELayer._compare`): same value, gradient from their difference.
 
-Top-1 never runs two FFNs on a token. A LoRA expert shares the base projections, so the FFN runs once and each
-projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to uni (a forward hook on the projection,
-which keeps the FFN's own forward - whatever the architecture - untouched); those rows stay bit-identical to the base
-FFN's, and the rank-r product they cost is cheaper than gathering and scattering the routed rows. A copy expert runs
-only on its rows, and so does a LoRA expert at inference once its rows are enough for merged weights to pay (`_split`,
-`lora._project`). At inference, Llama-style gated MLPs run written out instead of through modules and hooks
-(`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step. At decode sizes top-1
-mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same outputs, with the
-lookups and hook checks of every call done once.
-"""
+At inference (and in training with ``"scale"``) top-1 never runs two FFNs on a token. A LoRA expert shares the base
+projections, so the FFN runs once and each projection adds ``B A x * scale`` with ``scale`` zero on the rows routed to
+uni (a forward hook on the projection, which keeps the FFN's own forward - whatever the architecture - untouched); those
+rows stay bit-identical to the base FFN's, and the rank-r product they cost is cheaper than gathering and scattering the
+routed rows. A copy expert runs only on its rows, and so does a LoRA expert at inference once its rows are enough for
+merged weights to pay (`_split`, `lora._project`). At inference, Llama-style gated MLPs run written out instead of
+through modules and hooks (`lora._gated_mlp_forward`): the same math with fewer Python calls per layer and decode step.
+At decode sizes top-1 mode moe runs through a plan made once per layer and adapter (`decode.planned_moe`): the same
+outputs, with the lookups and hook checks of every call done once."""
 
 from __future__ import annotations
 
