@@ -159,6 +159,48 @@ def test_data_from_a_saved_dataset_folder_and_split_slices_of_a_file(files, tmp_
         load_rows(saved, "sts", split="validation")
 
 
+def test_a_folder_of_data_files_reads_every_file_by_the_files_rules(files, tmp_path):
+    """load_dataset(folder) silently left out every file naming no split when one did (five chat files trained on the
+    one called *_train.jsonl), read .tsv files with quoting and "NA" as missing, and kept a .txt's blank lines."""
+    from ubmoe_peft.data import load_rows
+
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    for name, text in (("a.jsonl", w(5, 6)), ("b_train.jsonl", w(7, 8))):
+        (chats / name).write_text(json.dumps({"text": text}) + "\n")
+    with pytest.raises(ValueError, match=r"\{'train': \['b_train.jsonl'\]\}.*\['a.jsonl'\] name none, so they would"):
+        load_rows(str(chats), "sft")
+    (chats / "b_train.jsonl").rename(chats / "b.jsonl")
+    assert load_rows(str(chats), "sft")["text"] == [w(5, 6), w(7, 8)]  # every file, in name order
+
+    sts = tmp_path / "sts"
+    (sts / "more").mkdir(parents=True)
+    header = "sentence1\tsentence2\tscore\n"
+    (sts / "one.tsv").write_text(header + 'He said "hi\tNA\t1.0\n')  # a quote mark and NA are text
+    (sts / "more" / "two.tsv").write_text(header + "x y\tz\t2.0\n")
+    rows = load_rows(str(sts), "sts")
+    assert rows.to_list() == [  # subfolders too, by path: more/two.tsv, one.tsv
+        {"sentence1": "x y", "sentence2": "z", "score": 2.0},
+        {"sentence1": 'He said "hi', "sentence2": "NA", "score": 1.0},
+    ]
+    assert load_rows(str(sts), "sts", split="train[1:]")["sentence1"] == ['He said "hi']
+
+    split = tmp_path / "split"
+    split.mkdir()
+    for name in ("train.tsv", "dev.tsv"):
+        (split / name).write_text(header + f"{name}\tb\t1.0\n")
+    assert load_rows(str(split), "sts", split="validation")["sentence1"] == ["dev.tsv"]
+    with pytest.raises(ValueError, match=r"--split 'test': data folder .* holds the splits \['train', 'validation'\]"):
+        load_rows(str(split), "sts", split="test")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")  # a raw StopIteration traceback from inside datasets
+    with pytest.raises(ValueError, match=r"Cannot read data file '.*empty.jsonl' as JSON lines"):
+        load_rows(str(empty), "sft")
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(ValueError, match="holds no data file"):
+        load_rows(str(tmp_path / "nothing"), "sft")
+
+
 def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer, monkeypatch):
     adapter = str(tmp_path / "adapter")
     wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(files["model"]), UBMoEConfig())
@@ -210,7 +252,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-sts", "--data", "{bad}/no_score.tsv"], ValueError, "row 0 .* has an empty 'score'"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
-        (["eval-sts", "--data", "{bad}/mixed"], ValueError, "'.*mixed': datasets failed to build it"),
+        (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
         (["eval-lm", "--data", "{bad}/unlabeled.jsonl"], ValueError, "Row 0: label -1 is not a 0-based index of its 2"),
         (["eval-lm", "--data", "{bad}/one_choice.jsonl"], ValueError, "Row 0: choices must be a list of at least 2"),
         (["train-router", "--adapter", "a", "--data", "{bad}/no_turns.jsonl"], ValueError, "empty 'messages'"),

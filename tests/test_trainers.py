@@ -278,6 +278,21 @@ def test_resuming_reads_checkpoint_weights_through_the_safe_loader(tokenizer, tm
         trainer.train(resume_from_checkpoint=str(checkpoint))
 
 
+def test_contrastive_trainer_refuses_batches_without_negatives(tokenizer, tmp_path):
+    """One pair per batch and no negative column: the loss is 0 for every batch, and the run "succeeded" saving an
+    untrained adapter. A negative column gives every batch a negative, so batch 1 trains there."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    pairs = _pairs().select_columns(["anchor", "positive"])
+    for size, rows in ((1, pairs), (8, pairs.select([0]))):
+        args = ContrastiveConfig(output_dir=str(tmp_path), per_device_train_batch_size=size, **QUIET)
+        with pytest.raises(ValueError, match=r"1 pair in each batch .*no negative column: the in-batch-negatives loss"):
+            ContrastiveTrainer(model, tokenizer, args=args, train_dataset=rows)
+    args = ContrastiveConfig(output_dir=str(tmp_path), per_device_train_batch_size=1, max_steps=1, **QUIET)
+    before = _snapshot(model)
+    ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs()).train()
+    assert _changed(model, before)
+
+
 def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):
     plain = tiny_model()
     with pytest.raises(ValueError, match="LlamaForCausalLM, which has no UBMoE layers"):

@@ -13,6 +13,8 @@ from typing import Any
 DEMO_DATA = Path(__file__).parent / "demo_data"
 DEMO_FILES = {"contrastive": "triplets.jsonl", "sts": "sts.tsv", "sft": "chat.jsonl"}
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text", ".parquet": "parquet"}
+_FORMATS = {"json": "JSON lines", "csv": "CSV / tab-separated with a header row", "text": "one text per line",
+            "parquet": "Parquet"}  # fmt: skip
 
 # Per task, the accepted column sets, first match wins.
 COLUMNS = {
@@ -26,48 +28,29 @@ COLUMNS = {
 
 def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
-    from datasets import ReadInstruction, load_dataset, load_from_disk
-    from datasets.exceptions import DatasetGenerationError
+    from datasets import load_dataset, load_from_disk
 
     if spec is None:
         spec = str(DEMO_DATA / DEMO_FILES["sft" if task in ("lm", "texts") else task])
     path = Path(spec)
     if not path.exists() and path.suffix.lower() in _SUFFIXES:
         raise ValueError(f"Data file {spec!r} does not exist; check the path (relative to {Path.cwd()}).")
-    try:
-        if path.is_file():
-            loader = _SUFFIXES.get(path.suffix.lower())
-            if loader is None:
-                raise ValueError(
-                    f"Data file {spec!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
-                    "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
-                )
-            _check_one_split(split, "a single data file")
-            extra = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
-            if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
-                extra.update(keep_default_na=False, na_values=[""])
-            rows = load_dataset(loader, data_files=str(path), split=split, **extra)
-            if loader == "text":  # one text per line: blank lines separate texts, they are not texts
-                rows = rows.filter(lambda row: bool(row["text"].strip()))
-        elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
-            # One `Dataset.save_to_disk` folder, which load_dataset refuses (a saved DatasetDict has a folder per
-            # split and loads below): it holds one split, as a single file does, and --split slices it the same way.
-            _check_one_split(split, "a saved Dataset folder")
-            rows = load_from_disk(str(path))
-            parts = ReadInstruction.from_spec(split).to_absolute({"train": len(rows)})
-            rows = rows.select([i for part in parts for i in range(part.from_, part.to)])
-        else:
+    if path.is_file():
+        rows = _select_split({"train": _read_file(path)}, split, "a single data file")
+    elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
+        # One `Dataset.save_to_disk` folder, which load_dataset refuses (a saved DatasetDict has a folder per split
+        # and loads below): it holds one split, as a single file does, and --split slices it the same way.
+        rows = _select_split({"train": load_from_disk(str(path))}, split, "a saved Dataset folder")
+    elif path.is_dir() and not (path / "dataset_dict.json").is_file():
+        rows = _select_split(_read_folder(path), split, f"data folder {spec!r}")
+    else:
+        try:
             rows = load_dataset(spec, split=split)
-    except DatasetGenerationError as err:  # e.g. a folder of files of different formats or columns
-        raise ValueError(
-            f"Cannot read data {spec!r}: datasets failed to build it ({err.__cause__ or err}). A folder must hold "
-            "files of one format with the same columns; or pass a single file."
-        ) from err
-    except (FileNotFoundError, ConnectionError) as err:
-        raise ValueError(
-            f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
-            f"dataset id failed ({err}). Pass a local .jsonl/.csv/.tsv/.txt/.parquet file or a reachable hub id."
-        ) from err
+        except (FileNotFoundError, ConnectionError) as err:
+            raise ValueError(
+                f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
+                f"dataset id failed ({err}). Pass a local .jsonl/.csv/.tsv/.txt/.parquet file or a reachable hub id."
+            ) from err
     rows = _select(rows, task, spec)
     if limit is not None and limit < len(rows):
         rows = rows.select(range(limit))
@@ -77,17 +60,94 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
     return rows
 
 
-def _check_one_split(split: str, what: str) -> None:
-    """``split`` reads 'train' or a slice of it, the one split that ``what`` holds (a name it lacked was ignored)."""
-    from datasets import ReadInstruction
+def _read_file(path: Path) -> Any:
+    """One data file, whole, by its suffix: ``.tsv`` without quoting (STS sentences hold quote marks), only an empty
+    CSV/TSV cell missing, blank lines of a ``.txt`` dropped. Any failure names the file."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    loader = _SUFFIXES.get(path.suffix.lower())
+    if loader is None:
+        raise ValueError(
+            f"Data file {str(path)!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
+            "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
+        )
+    extra: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
+    if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
+        extra.update(keep_default_na=False, na_values=[""])
+    try:
+        rows = load_dataset(loader, data_files=str(path), split="train", **extra)
+    except (DatasetGenerationError, StopIteration, ValueError) as err:  # pandas' and pyarrow's errors are ValueErrors
+        cause = err.__cause__ or err
+        raise ValueError(
+            f"Cannot read data file {str(path)!r} as {_FORMATS[loader]} ({type(cause).__name__}: {cause}). Fix the "
+            "file, or give it the suffix of its format."
+        ) from err
+    if loader == "text":  # one text per line: blank lines separate texts, they are not texts
+        rows = rows.filter(lambda row: bool(row["text"].strip()))
+    return rows
+
+
+def _read_folder(path: Path) -> dict[str, Any]:
+    """A folder of data files as datasets reads one (a split per file-name pattern, ``train*``, ``test*``,
+    ``validation*``/``dev*``, else every file in ``train``), each file read by `_read_file`'s rules.
+
+    Why not ``load_dataset(folder)``: it applied none of those rules to the files, and where some file names name a
+    split it silently left out every file that names none (a folder of five chat files trained on the one called
+    ``*_train.jsonl``)."""
+    from datasets import concatenate_datasets
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    def data_file(file: Path) -> bool:
+        hidden = any(part.startswith(".") for part in file.relative_to(path).parts)
+        return file.is_file() and not hidden and file.suffix.lower() in _SUFFIXES
+
+    present = sorted(f for f in path.rglob("*") if data_file(f))
+    if not present:
+        raise ValueError(
+            f"Data folder {str(path)!r} holds no data file ({', '.join(sorted(_SUFFIXES))}) and is not a saved "
+            "dataset (save_to_disk). Pass a data file, or a folder holding some."
+        )
+    patterns = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    by_split = {str(name): sorted(Path(f) for f in files if data_file(Path(f))) for name, files in patterns.items()}
+    unassigned = sorted(set(present) - {f for files in by_split.values() for f in files})
+    if unassigned:
+        named = {name: [str(f.relative_to(path)) for f in files] for name, files in by_split.items() if files}
+        raise ValueError(
+            f"Data folder {str(path)!r}: datasets takes file names as splits ({named}), and "
+            f"{[str(f.relative_to(path)) for f in unassigned]} name none, so they would be left out. Pass one file, "
+            "or a folder whose files all name their split (train*, test*, validation* or dev*) or none do."
+        )
+    splits = {}
+    for name, files in by_split.items():
+        parts = [(f, _read_file(f)) for f in files]
+        first, rows = parts[0]
+        for file, other in parts[1:]:
+            if other.features != rows.features:
+                raise ValueError(
+                    f"Data folder {str(path)!r}: {str(first.relative_to(path))!r} and {str(file.relative_to(path))!r} "
+                    f"differ in columns or types ({dict(rows.features)} and {dict(other.features)}); the files of a "
+                    "split are read as one table. Pass one file, or make the columns alike."
+                )
+        splits[name] = concatenate_datasets([rows for _, rows in parts]) if len(parts) > 1 else rows
+    return splits
+
+
+def _select_split(splits: dict[str, Any], split: str, what: str) -> Any:
+    """The rows ``split`` names (``train``, ``train[:100]``, ``train[-2:]+test[:1]``...) of ``splits``, which ``what``
+    holds (a name it lacked used to be ignored, and a whole file read as if it were that split)."""
+    from datasets import ReadInstruction, concatenate_datasets
 
     try:
-        ReadInstruction.from_spec(split).to_absolute({"train": 10**6})  # any size: only the name and form count
+        parts = ReadInstruction.from_spec(split).to_absolute({name: len(rows) for name, rows in splits.items()})
     except (ValueError, AssertionError) as err:
+        held = "one split, 'train'" if list(splits) == ["train"] else f"the splits {sorted(splits)}"
         raise ValueError(
-            f"--split {split!r}: {what} holds one split, 'train' (a slice such as 'train[:100]' selects rows), and "
-            f"{split!r} is not it ({err}). Pass a dataset folder or hub id for other splits, or drop --split."
+            f"--split {split!r}: {what} holds {held} (a slice such as 'train[:100]' selects rows), and {split!r} "
+            f"is not one ({err}). Name a split it holds, or drop --split."
         ) from None
+    picked = [splits[part.splitname].select(range(part.from_, part.to)) for part in parts]
+    return picked[0] if len(picked) == 1 else concatenate_datasets(picked)
 
 
 _TEXT_COLUMNS = {"anchor", "positive", "negative", "sentence1", "sentence2", "text", "question"}

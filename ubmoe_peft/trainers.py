@@ -222,6 +222,15 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         args = args or ContrastiveConfig(output_dir="ubmoe-contrastive")
         if not isinstance(args, ContrastiveConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
+        if loss is None and isinstance(columns, list) and len(columns) == 2 and hasattr(train_dataset, "__len__"):
+            pairs = min(args.per_device_train_batch_size, len(train_dataset))
+            if pairs < 2:  # one pair and no negative text: the in-batch-negatives loss is exactly 0
+                raise ValueError(
+                    f"ContrastiveTrainer would put {pairs} pair in each batch (per_device_train_batch_size="
+                    f"{args.per_device_train_batch_size}, {len(train_dataset)} rows) and the data has no negative "
+                    "column: the in-batch-negatives loss is then 0 for every batch and nothing trains. Use at least 2 "
+                    "pairs per batch (and rows), or add a hard-negative column (anchor, positive, negative)."
+                )
         set_stage(model, "contrastive")
         self.peft_model = model
         self.sentence_transformer = to_sentence_transformer(
