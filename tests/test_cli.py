@@ -250,6 +250,8 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         ),
         (["eval-sts", "--data", "{bad}/empty_cell.tsv"], ValueError, "row 1 .* has an empty 'sentence2'"),
         (["eval-sts", "--data", "{bad}/no_score.tsv"], ValueError, "row 0 .* has an empty 'score'"),
+        # one text score made the column text, and the error named row 0 (its '1.0') after the model had loaded
+        (["eval-sts", "--data", "{bad}/text_score.tsv"], ValueError, "score.tsv': row 1 .* the score 'abc', which"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
         (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
@@ -294,6 +296,7 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     bad.mkdir()
     (bad / "empty_cell.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t\t2.0\n")
     (bad / "no_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t\n")
+    (bad / "text_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t{w(6)}\tabc\n")
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")

@@ -166,6 +166,11 @@ def _check_cells(rows: Any, spec: str) -> None:
                     f"Data {spec!r}: row {i} (counting from 0) has an empty {column!r} ({value!r}). Fill it in or "
                     "drop the row."
                 )
+            if column == "score" and isinstance(value, str) and not _is_number(value):  # one text makes all texts
+                raise ValueError(
+                    f"Data {spec!r}: row {i} (counting from 0) has the score {value!r}, which is not a number. Write a "
+                    "number there or drop the row."
+                )
             if column in _TEXT_COLUMNS and not isinstance(value, str):  # a number would be embedded as its digits
                 raise ValueError(
                     f"Data {spec!r}: row {i} (counting from 0) has {type(value).__name__} {value!r} in {column!r}, "
@@ -173,6 +178,14 @@ def _check_cells(rows: Any, spec: str) -> None:
                 )
             if column == "messages":
                 _check_turns(value, i, spec)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_turns(messages: list, row: int, spec: str) -> None:
