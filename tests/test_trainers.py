@@ -193,7 +193,7 @@ def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp
     assert all(torch.equal(own[k], saved[k]) for k in saved)
 
 
-@pytest.mark.parametrize("adapters", [["other"], ["default", "b"]])
+@pytest.mark.parametrize("adapters", [["other"], ["default", "two"]])
 def test_router_trainer_loads_the_best_checkpoint_of_the_adapter_it_trains(tokenizer, tmp_path, adapters):
     """transformers reloads only a checkpoint's top-level adapter (the one named "default") into the active adapter:
     a named adapter's best weights were not restored, and with two the active one got "default"'s."""
