@@ -55,6 +55,20 @@ def test_usage_lists_every_command(capsys):
         assert f"  {command} " in usage
 
 
+@pytest.mark.parametrize(
+    "command, folder, config",
+    [("train-contrastive", "ubmoe-contrastive", "ContrastiveConfig"), ("train-router", "ubmoe-router", "RouterConfig")],
+)
+def test_training_help_names_the_default_output_folder(capsys, command, folder, config):
+    """Without --output_dir the adapter went to transformers' "trainer_output", while the help said None."""
+    import ubmoe_peft.trainers
+
+    with pytest.raises(SystemExit):
+        run([command, "--help"])
+    assert f"(default: {folder})" in " ".join(capsys.readouterr().out.split())
+    assert getattr(ubmoe_peft.trainers, config)().output_dir == folder  # what the command saves to
+
+
 def test_unknown_command_names_it_and_the_commands(capsys):
     with pytest.raises(ValueError, match="(?s)unknown command 'trian-router'.*train-router"):
         run(["trian-router"])
@@ -252,6 +266,10 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-sts", "--data", "{bad}/no_score.tsv"], ValueError, "row 0 .* has an empty 'score'"),
         # one text score made the column text, and the error named row 0 (its '1.0') after the model had loaded
         (["eval-sts", "--data", "{bad}/text_score.tsv"], ValueError, "score.tsv': row 1 .* the score 'abc', which"),
+        # these were named by the evaluation after the model had loaded, without the file
+        (["eval-sts", "--data", "{bad}/one_row.tsv"], ValueError, "one_row.tsv' has 1 row: a rank correlation"),
+        (["eval-sts", "--data", "{sts}", "--max_rows", "1"], ValueError, "has 1 row: a rank correlation"),
+        (["eval-sts", "--data", "{bad}/flat.tsv"], ValueError, "flat.tsv' has the same score 2.0 in all 2 rows"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
         (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
@@ -297,6 +315,8 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "empty_cell.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t\t2.0\n")
     (bad / "no_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t\n")
     (bad / "text_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t{w(6)}\tabc\n")
+    (bad / "one_row.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n")
+    (bad / "flat.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t2.0\n{w(5)}\t{w(6)}\t2\n")
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")

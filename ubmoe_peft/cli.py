@@ -355,11 +355,12 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
 
 def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedArgs) -> dict[str, Any]:
     """Spearman x 100 of cosine similarity against gold scores, per mode (default: uni and bi)."""
-    from .data import load_rows
+    from .data import check_sts_scores, load_rows
     from .evaluation import sts_spearman
 
     modes = _modes(ev, ["uni", "bi"])  # checked before the model is loaded
     rows = load_rows(data.data, "sts", data.split, data.max_rows)
+    check_sts_scores(rows, data.data)
     model, tokenizer = load_model(model_args)
     prompt = None if embed.prompt in (None, "none") else embed.prompt
     results = {

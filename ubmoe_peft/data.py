@@ -60,6 +60,18 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
     return rows
 
 
+def check_sts_scores(rows: Any, spec: str) -> None:
+    """A rank correlation needs 2 rows and 2 different scores: ``eval-sts`` checks that before the model loads, so
+    the error names the data (the evaluation's own check cannot)."""
+    scores = {float(score) for score in rows["score"]}
+    if len(rows) < 2 or len(scores) < 2:
+        found = f"{len(rows)} row" if len(rows) < 2 else f"the same score {scores.pop()} in all {len(rows)} rows"
+        raise ValueError(
+            f"Data {spec!r} has {found}: a rank correlation with the gold scores needs at least 2 rows with different "
+            "scores. Pass more pairs (or a larger --max_rows)."
+        )
+
+
 def _read_file(path: Path) -> Any:
     """One data file, whole, by its suffix: ``.tsv`` without quoting (STS sentences hold quote marks), only an empty
     CSV/TSV cell missing, blank lines of a ``.txt`` dropped. Any failure names the file."""

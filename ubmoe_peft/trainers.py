@@ -141,6 +141,10 @@ def check_checkpoint_settings(model: nn.Module, adapter: str, folder: Path, chec
 class ContrastiveConfig(SentenceTransformerTrainingArguments):
     """Stage 1 (contrastive) settings: sentence-transformers' training arguments plus how texts are embedded."""
 
+    output_dir: str | None = field(
+        default="ubmoe-contrastive",
+        metadata={"help": "Folder for checkpoints and, from the command line, the trained adapter."},
+    )
     prompt: str | None = field(
         default=PAPER_PROMPT,
         metadata={
@@ -219,7 +223,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                 "pairs (anchor, positive[, negative]). For unsupervised SimCSE, pair each text with itself: "
                 "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column (LoRA expert with lora_dropout > 0)."
             )
-        args = args or ContrastiveConfig(output_dir="ubmoe-contrastive")
+        args = args or ContrastiveConfig()
         if not isinstance(args, ContrastiveConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
         if loss is None and isinstance(columns, list) and len(columns) == 2 and hasattr(train_dataset, "__len__"):
@@ -302,6 +306,10 @@ def _encoder_path(checkpoint: str) -> str:
 class RouterConfig(SFTConfig):
     """Stage 2 (router) settings: TRL's SFT configuration with router-sized defaults."""
 
+    output_dir: str | None = field(
+        default="ubmoe-router",
+        metadata={"help": "Folder for checkpoints and, from the command line, the trained adapter."},
+    )
     learning_rate: float = field(
         default=1e-3,
         metadata={
@@ -341,7 +349,7 @@ class RouterTrainer(SFTTrainer):
                 "RouterTrainer trains the routers of an existing UBMoE model; peft_config would wrap it in a second "
                 "adapter. Drop peft_config (wrap the base with get_peft_model(base, UBMoEConfig()) beforehand)."
             )
-        args = args or RouterConfig(output_dir="ubmoe-router")
+        args = args or RouterConfig()
         if not isinstance(args, RouterConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.RouterConfig.")
         if args.dataset_text_field == "text":  # TRL reads these dataset formats (a custom text field: theirs to check)
