@@ -212,6 +212,23 @@ def test_the_merged_embedding_model_embeds_the_same_through_sentence_transformer
     torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["unload", "merge bi"])
+def test_a_model_unloaded_in_place_refuses_to_embed_or_run(tokenizer, how):
+    """unload() and the bi merge take the UBMoE layers out of the base in place. The SentenceTransformer made
+    before embedded on, silently, with the causal base model (unload), and the spent PeftModel still reported mode
+    moe while running as the returned model."""
+    model = _wrapped()
+    st = to_sentence_transformer(model, tokenizer)
+    returned = model.unload() if how == "unload" else model.merge_and_unload(target="bi")
+    with pytest.raises(ValueError, match=r"UBMoE layers were removed by unload\(\) or merge_and_unload"):
+        st.encode([w(5, 6)])
+    with pytest.raises(ValueError, match="Use the model that call returned"):
+        ubmoe_peft.get_mode(model)
+    with pytest.raises(ValueError, match="Use the model that call returned"):
+        model(input_ids=torch.tensor([[5, 6]]))
+    assert returned(input_ids=torch.tensor([[5, 6]])).logits.isfinite().all()  # the returned model runs
+
+
 def test_bad_arguments_and_inputs_are_named(tokenizer):
     model = _wrapped()
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got str 'model_dir'"):
@@ -242,3 +259,9 @@ def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_p
     reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "ubmoe_adapter").eval()
     again = to_sentence_transformer(reloaded, tokenizer).encode(texts, convert_to_tensor=True)
     assert torch.equal(again, expected)
+    # sentence-transformers' own loader (and so its trainer's best-model restore) reaches our module's load: the
+    # error it gets names the steps above and the trainer that does load checkpoints
+    from sentence_transformers import SentenceTransformer
+
+    with pytest.raises(NotImplementedError, match="(?s)PeftModel.from_pretrained.*load_best_model_at_end keeps the "):
+        SentenceTransformer(str(tmp_path), trust_remote_code=True)

@@ -191,8 +191,10 @@ class UBMoEEncoder(InputModule):
         raise NotImplementedError(
             "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
             "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') (an adapter not named 'default' lies in "
-            "'<folder>/ubmoe_adapter/<name>') and ubmoe_peft.to_sentence_transformer(...). To resume training from a "
-            "checkpoint, use ubmoe_peft.ContrastiveTrainer(...).train(resume_from_checkpoint=...), which loads it."
+            "'<folder>/ubmoe_adapter/<name>') and ubmoe_peft.to_sentence_transformer(...). sentence-transformers' own "
+            "trainer cannot load such a checkpoint, so with it load_best_model_at_end keeps the last weights and "
+            "resume_from_checkpoint fails: train with ubmoe_peft.ContrastiveTrainer, which takes any "
+            "sentence-transformers loss (loss=...) and loads its checkpoints."
         )
 
 

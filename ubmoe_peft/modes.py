@@ -29,7 +29,7 @@ def ubmoe_layers(model: nn.Module) -> list[UBMoELayer]:
 def _state(model: nn.Module) -> ModeState:
     state = getattr(getattr(model, "base_model", None), "_ubmoe_state", None) or getattr(model, "_ubmoe_state", None)
     if state is not None and state.superseded:
-        raise superseded_error()
+        raise superseded_error(state.superseded)
     if state is not None:
         return state
     layers = ubmoe_layers(model)
@@ -54,14 +54,13 @@ def get_mode(model: nn.Module) -> str:
 
 @contextmanager
 def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
-    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises."""
-    state = _state(model)
-    previous = state.mode
-    set_mode(model, mode)
-    try:
+    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises.
+
+    The mode applies to this thread only (like `torch.no_grad`): other threads using the same model keep theirs."""
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
+    with _state(model).override(mode):
         yield model
-    finally:
-        state.mode = previous
 
 
 def _active_adapter(model: nn.Module) -> str:

@@ -106,7 +106,7 @@ class UBMoEModel(BaseTuner):
                     handle.remove()
                 owner._ubmoe_hooks.clear()
         for layer in layers:
-            layer._state.superseded = True
+            layer._state.superseded = "wrapped again"
             layer._state = self._ubmoe_state
             layer.drop_adapter(adapter_name)
             layer.set_attention_hooks(self._ubmoe_state.attention_hooked)
@@ -174,7 +174,7 @@ class UBMoEModel(BaseTuner):
     def _install_forward_hooks(self) -> None:
         backbone = getattr(self.model, "base_model", self.model)
         self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
-        self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone))
+        self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
         layers = decoder_layers(self.model)
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
         attention = attention_module(layers[0][1]) if layers else None
@@ -190,6 +190,7 @@ class UBMoEModel(BaseTuner):
         return (state.mode if state.adapters_enabled else "adapters disabled", tuple(self.active_adapters))
 
     def _after_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._ubmoe_state.unlock_forward()  # also when the forward raised (always_call)
         # The plain dict lookup: transformers 5 names it `cache` and warns on any access by the older name
         if not isinstance(output, dict):
             return
@@ -202,6 +203,7 @@ class UBMoEModel(BaseTuner):
 
     def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._ubmoe_state
+        state.lock_forward()  # one forward at a time (ModeState); `_after_backbone` releases, also on errors
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         state.begin_forward(mask if isinstance(mask, torch.Tensor) else None)
         state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
@@ -284,8 +286,8 @@ class UBMoEModel(BaseTuner):
     def _enable_peft_forward_hooks(self, *args: Any, **kwargs: Any) -> Iterator[None]:
         """PEFT's per-call hook point: PeftModel (every task type) enters it around each forward and generate call,
         also those that call the base model directly, bypassing this tuner's own forward."""
-        if self._ubmoe_state.superseded:  # the layers follow a newer model: this one would run in that one's mode
-            raise superseded_error()
+        if self._ubmoe_state.superseded:  # its layers follow a newer model, or are gone: it would run as another
+            raise superseded_error(self._ubmoe_state.superseded)
         if kwargs.get("adapter_names") is not None:  # PeftModel would drop it and run the active adapter on every row
             raise ValueError(
                 f"adapter_names={kwargs['adapter_names']!r}: UBMoE runs one adapter per forward, not one per batch "
@@ -374,7 +376,9 @@ class UBMoEModel(BaseTuner):
     def _unwrap(self, replacement: Any, adapter: str | None = None) -> nn.Module:
         """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer, and the trained module in
         place of every ``modules_to_save`` wrapper: ``adapter``'s, or the active adapter's as PEFT's unload does when
-        None; the bare model."""
+        None; the bare model. This model is spent: its modes, forward and `generate` refuse from now on (a
+        SentenceTransformer made from it embedded silently with the base model)."""
+        self._ubmoe_state.superseded = "unloaded"
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()

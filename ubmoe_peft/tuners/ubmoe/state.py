@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +31,16 @@ def allowed_pairs(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def superseded_error() -> ValueError:
-    """Raised by a model whose layers a later PeftModel on the same base took over (`UBMoEModel._take_over`)."""
+def superseded_error(reason: str = "wrapped again") -> ValueError:
+    """Raised by a model whose layers a later PeftModel on the same base took over (`UBMoEModel._take_over`), or
+    that `unload()` / `merge_and_unload(target="bi")` took its layers from (``reason="unloaded"``)."""
+    if reason == "unloaded":
+        return ValueError(
+            "This model's UBMoE layers were removed by unload() or merge_and_unload(target='bi'), which change the "
+            "base in place: it has no modes any more, and would run as the model that call returned (the base model, "
+            "or the merged bi model) whatever mode it reported. Use the model that call returned, or wrap a fresh "
+            "base again."
+        )
     return ValueError(
         "This model's base was wrapped again (get_peft_model or PeftModel.from_pretrained on the same base object "
         "change it in place), and its UBMoE layers now follow the newer model. Use the model that call returned."
@@ -37,10 +48,25 @@ def superseded_error() -> ValueError:
 
 
 class ModeState:
-    """Mode and routing statistics of one wrapped model; every UBMoE layer of that model holds the same object."""
+    """Mode and routing statistics of one wrapped model; every UBMoE layer of that model holds the same object.
+
+    One model may serve embeddings and generation from several threads at once (a web server). Two things make
+    that safe, as far as PyTorch's modules allow:
+
+    - The model's mode (`set_mode`) is shared, but `use_mode` overrides it for its own thread only, as
+      `torch.no_grad` does: an embedding call in one thread no longer turned another thread's generation
+      bidirectional, nor left the model in mode bi when two such calls overlapped (each restored the other's mode).
+    - ``forward_lock`` lets one forward of the decoder run at a time (`UBMoEModel._before_backbone` takes it,
+      `_after_backbone` releases it). A forward's padding mask and routing live here, and the LoRA deltas of
+      training, quantized layers and the attention adapter ride on temporary hooks on modules the threads share:
+      two forwards at once would read each other's. Threads still overlap everywhere else (tokenizing, pooling,
+      sampling).
+    """
 
     def __init__(self) -> None:
-        self.mode = "moe"
+        self._mode = "moe"  # the model's mode; `use_mode` blocks override it in their thread (`mode`)
+        self._threads = threading.local()  # .overrides: this thread's open `use_mode` modes; .held: lock depth
+        self.forward_lock = threading.RLock()
         self.adapters_enabled = True
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
         self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
@@ -49,7 +75,57 @@ class ModeState:
         self.tallies: list[RoutingTally] = []  # open `track_routing` blocks, each summing every mode-moe forward
         self._tallied: dict | None = None  # the routing dict last added to them (each forward's is added once)
         self.user_mask_4d = False  # whether the current forward was given a 4D attention mask (used as given)
-        self.superseded = False  # a later PeftModel on the same base took the layers over (UBMoEModel._take_over)
+        # Why this model no longer runs its layers: "wrapped again" (a later PeftModel on the same base took them
+        # over, UBMoEModel._take_over) or "unloaded" (UBMoEModel._unwrap); None while it does
+        self.superseded: str | None = None
+
+    @property
+    def mode(self) -> str:
+        """This thread's mode: its innermost `use_mode` block's, else the model's."""
+        overrides = getattr(self._threads, "overrides", None)
+        return overrides[-1] if overrides else self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        # Inside a `use_mode` block, `set_mode` changes that block's mode, which the block's end restores (as
+        # before threads were considered); outside one, the model's.
+        overrides = getattr(self._threads, "overrides", None)
+        if overrides:
+            overrides[-1] = mode
+        else:
+            self._mode = mode
+
+    @contextmanager
+    def override(self, mode: str) -> Iterator[None]:
+        """Run the block in ``mode`` in this thread only (`ubmoe_peft.use_mode`)."""
+        overrides = self._threads.__dict__.setdefault("overrides", [])
+        overrides.append(mode)
+        try:
+            yield
+        finally:
+            overrides.pop()
+
+    def lock_forward(self) -> None:
+        self.forward_lock.acquire()
+        self._threads.held = getattr(self._threads, "held", 0) + 1
+
+    def unlock_forward(self) -> None:
+        """Release what `lock_forward` took in this thread; nothing when it took nothing (a hook before ours
+        raised before the forward could start)."""
+        if getattr(self._threads, "held", 0) > 0:
+            self._threads.held -= 1
+            self.forward_lock.release()
+
+    def __getstate__(self) -> dict:
+        # A deep copy (TRL reference models) or a pickle gets its own lock and no thread's open blocks
+        state = dict(self.__dict__)
+        del state["_threads"], state["forward_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._threads = threading.local()
+        self.forward_lock = threading.RLock()
 
     @property
     def spec(self) -> ModeSpec:
