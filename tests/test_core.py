@@ -864,6 +864,33 @@ def test_a_kv_cache_continues_only_in_the_mode_that_filled_it():
     torch.testing.assert_close(step, logits(model, ids, torch.ones_like(ids))[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_static_cache_routes_and_counts_as_a_dynamic_one_and_is_reusable_after_reset():
+    """A static cache's 4D mask spans all its slots: routing_stats and track_routing read empty slots as the current
+    tokens (a share of 0 at every decode step). And a cache emptied by `reset()` (transformers' way to reuse one)
+    was refused in another mode as if it still held the first mode's states."""
+    from transformers import StaticCache
+
+    model, _ = wrap()
+    perturb_adapters(model, std=0.5)
+    ids, mask = batch(b=3, t=9)
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    results = []
+    for cache in (None, StaticCache(config=model.config, max_cache_len=64)):
+        with torch.no_grad(), ubmoe_peft.track_routing(model) as tally:
+            tokens = model.generate(**settings, pad_token_id=0, **({"cache": cache} if cache is not None else {}))
+        results.append((tokens, tally.shares(), ubmoe_peft.routing_stats(model)))
+    (tokens, shares, last), (static_tokens, static_shares, static_last) = results
+    assert torch.equal(static_tokens, tokens)
+    assert 0 < min(shares.values()) and static_shares == pytest.approx(shares) and static_last == pytest.approx(last)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        with ubmoe_peft.use_mode(model, "uni"):
+            model.generate(**settings, pad_token_id=0, cache=cache)
+        cache.reset()
+        again = model.generate(**settings, pad_token_id=0, cache=cache)  # mode moe, on the emptied cache
+    assert torch.equal(again, tokens)
+
+
 def test_mode_bi_takes_a_bidirectional_4d_mask_and_names_a_causal_one():
     """A user's 4D mask is used as given: one that encodes padding was refused with an error blaming transformers;
     a causal one is refused as the caller's mask."""
@@ -1034,6 +1061,37 @@ def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
         "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **small),
         "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, **small),
         "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, **small),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(  # layer 0 dense, layer 1 an MoE block with a shared expert
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            mlp_only_layers=[0],
+            **small,
+        ),
+        "opt": lambda: tf.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, **small),
+        "lfm2": lambda: tf.Lfm2Config(  # a convolution block first, attention second
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention"],
+            **small,
+        ),
+        "modernbert-decoder": lambda: tf.ModernBertDecoderConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            local_attention=4,
+            global_attn_every_n_layers=2,
+            **small,
+        ),
     }
     torch.manual_seed(0)
     config = configs[model_type]()
@@ -1048,11 +1106,40 @@ def test_an_architecture_that_ignores_is_causal_fails_in_mode_bi_not_silently(mo
     perturb_adapters(model)
     ids, mask = batch(padding=None)
     ubmoe_peft.set_mode(model, "bi")
-    with pytest.raises(RuntimeError, match=f"first layer of this '{model_type}' model a causal mask"):
+    with pytest.raises(RuntimeError, match=f"first attention layer of this '{model_type}' model a causal mask"):
         logits(model, ids, mask)
     for mode in ("uni", "moe"):
         ubmoe_peft.set_mode(model, mode)
         assert torch.isfinite(logits(model, ids, mask)).all()
+    # the bi merge is what mode bi runs: it returned GPT-Neo causal, as if it were the embedding model
+    with pytest.raises(RuntimeError, match="merge_and_unload.target='bi'. makes the mode-bi model, which this model"):
+        model.merge_and_unload(target="bi")
+    assert ubmoe_peft.get_mode(model) == "moe" and any(isinstance(m, UBMoELayer) for m in model.modules())
+
+
+def test_the_mode_bi_check_covers_a_hybrid_whose_first_layer_is_not_attention():
+    """LFM2's first layer is a convolution block: the check hooked only the first layer's attention, so it had none,
+    and a decoder dropping is_causal=False ran mode bi causal without a word."""
+    model = get_peft_model(_foreign("lfm2", "sdpa"), UBMoEConfig())
+    ids, mask = batch(padding=None)
+    ubmoe_peft.set_mode(model, "bi")
+    logits(model, ids, mask)
+    backbone = model.base_model.model.model
+    handle = backbone.register_forward_pre_hook(lambda m, a, k: (a, {**k, "is_causal": None}), with_kwargs=True)
+    with pytest.raises(RuntimeError, match="first attention layer of this 'lfm2' model a causal mask"):
+        logits(model, ids, mask)
+    handle.remove()
+
+
+def test_a_decoder_whose_get_decoder_is_its_lm_head_is_wrapped():
+    """ModernBERT's decoder answers get_decoder() with its LM head (a Linear named "decoder"): no decoder layer was
+    found, and even target_modules=['mlp'] was "not found"."""
+    base = _foreign("modernbert-decoder", "sdpa")
+    ids, mask = batch(padding=None)
+    expected = logits(base, ids, mask)
+    model = get_peft_model(base, UBMoEConfig())
+    assert sum(isinstance(m, UBMoELayer) for m in model.modules()) == 2
+    torch.testing.assert_close(logits(model, ids, mask), expected)  # a fresh adapter in mode moe: the base
 
 
 @pytest.mark.parametrize(
@@ -1061,13 +1148,24 @@ def test_an_architecture_that_ignores_is_causal_fails_in_mode_bi_not_silently(mo
         ("bloom", r"'transformer.h.0.mlp' \(BloomMLP\) needs \['residual'\] besides the hidden states"),
         ("mpt", r"'transformer.blocks.0.ffn' \(MptMLP\) needs \['residual'\]"),
         ("gpt2", r"\(GPT2MLP\) has no nn.Linear inside \(it holds \['Conv1D', .*Conv1D and fused MoE experts"),
+        ("opt", r"'opt' keeps its FFN's linears \['fc1', 'fc2'\] directly in each decoder layer .*not supported"),
+        # its router and shared expert are linears: the LoRA expert adapted those alone, silently
+        (
+            "qwen2_moe",
+            r"'model.layers.1.mlp' \(1 of 2 targets\) is a mixture-of-experts block: it holds fused expert weights "
+            r"\('experts.gate_up_proj', 3-D\).*UBMoEConfig\(layers_to_transform=\[0\]\)",
+        ),
     ],
 )
 def test_ffns_that_cannot_be_experts_are_refused_when_wrapping(model_type, message):
     base = _foreign(model_type)
-    with pytest.raises(ValueError, match=message):
-        get_peft_model(base, UBMoEConfig())
+    for expert in ("lora", "copy"):
+        with pytest.raises(ValueError, match=message):
+            get_peft_model(base, UBMoEConfig(expert_type=expert, r=1))
     assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+    if model_type == "qwen2_moe":  # the fix the error names works
+        model = get_peft_model(base, UBMoEConfig(layers_to_transform=[0]))
+        assert [m.layer_idx for m in model.modules() if isinstance(m, UBMoELayer)] == [0]
 
 
 def test_a_multimodal_model_wraps_its_language_model_only():

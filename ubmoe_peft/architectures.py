@@ -53,7 +53,9 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     than its text model: 32 blocks against 28 in Qwen2-VL-2B) is neither taken for the decoder nor wrapped."""
     root, prefix = model, ""
     decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    if isinstance(decoder, nn.Module):
+    # ModernBERT's decoder model answers get_decoder() with its LM head (a Linear named "decoder"): a decoder
+    # without a layer list is not the language model, so the search covers the whole model
+    if isinstance(decoder, nn.Module) and any(isinstance(m, nn.ModuleList) for m in decoder.modules()):
         found = [name for name, module in model.named_modules() if module is decoder]
         if found:
             root, prefix = decoder, found[0]
@@ -76,7 +78,15 @@ def default_ffn_target(model: nn.Module) -> str:
     for candidate in FALLBACK_FFN_NAMES:
         if layers and all(hasattr(layer, candidate) for _, layer in layers):
             return candidate
-    children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+    first = layers[0][1] if layers else None
+    children = sorted(child for child, _ in first.named_children()) if first is not None else []
+    loose = sorted(n for n, m in first.named_children() if isinstance(m, nn.Linear)) if first is not None else []
+    if loose:  # OPT, XGLM, BioGPT: fc1 / fc2 sit in the layer itself, so there is no FFN module to name
+        raise ValueError(
+            f"model_type={model_type!r} keeps its FFN's linears {loose} directly in each decoder layer (its children: "
+            f"{children}), with no FFN module around them. UBMoE wraps a whole FFN module, so this architecture is not "
+            "supported."
+        )
     raise ValueError(
         f"UBMoE does not know where the FFN of model_type={model_type!r} is: its decoder layers have the children "
         f"{children} and none is named one of {list(FALLBACK_FFN_NAMES)}. Pass the FFN module's name, for example "

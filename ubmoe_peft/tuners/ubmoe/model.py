@@ -177,7 +177,8 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
         layers = decoder_layers(self.model)
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
-        attention = attention_module(layers[0][1]) if layers else None
+        # The first layer that has one: a hybrid's first layer may be a convolution or state-space block (LFM2, Bamba)
+        attention = next((a for _, layer in layers if (a := attention_module(layer)) is not None), None)
         if attention is not None:
             self._ubmoe_hooks.append(attention.register_forward_pre_hook(self._check_bidirectional, with_kwargs=True))
 
@@ -205,9 +206,12 @@ class UBMoEModel(BaseTuner):
         state = self._ubmoe_state
         state.lock_forward()  # one forward at a time (ModeState); `_after_backbone` releases, also on errors
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        state.begin_forward(mask if isinstance(mask, torch.Tensor) else None)
-        state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = _cached_length(cache)
+        state.begin_forward(mask if isinstance(mask, torch.Tensor) else None, past)
+        state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
+        if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
+            del cache._ubmoe_filled_in  # emptied (`cache.reset()`, transformers' way to reuse a static cache)
         filled_in = getattr(cache, "_ubmoe_filled_in", None)
         if filled_in is not None and filled_in != self._cache_tag():
             # A cache holds the keys and values of the mode that filled it; another mode would continue from them
@@ -340,6 +344,7 @@ class UBMoEModel(BaseTuner):
             )
         if target == "moe":
             return export_moe(self.model, adapter, check_finite=safe_merge)
+        self._probe_bidirectional()
         layers = [m for m in self.model.modules() if isinstance(m, UBMoELayer) and adapter in m.ubmoe_router]
         weights = {id(layer): layer.bi_weights(adapter, check_finite=safe_merge) for layer in layers}  # all checks
         attention = {id(layer): layer.attention_weights(adapter, check_finite=safe_merge) for layer in layers}
@@ -351,6 +356,19 @@ class UBMoEModel(BaseTuner):
         for config in {id(c): c for c in (getattr(model, "config", None), text_config(model)) if c}.values():
             config.is_causal = False  # masking_utils: a bidirectional mask for every attention implementation
         return model
+
+    def _probe_bidirectional(self) -> None:
+        """Run two tokens in mode bi before the bi merge changes anything: the merged model is bidirectional only
+        where mode bi is (its config's ``is_causal=False`` is what mode bi passes at each forward). GPT-Neo, which
+        ignores both, was merged into a causal model presented as the embedding model, without a word."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.model.get_input_embeddings().weight.device)
+        try:
+            with torch.no_grad(), self._ubmoe_state.override("bi"):
+                self.model(input_ids=ids)
+        except (RuntimeError, ValueError) as err:
+            raise type(err)(
+                f"merge_and_unload(target='bi') makes the mode-bi model, which this model cannot run: {err}"
+            ) from err
 
     def _merge_adapter(self, adapter_names: list[str] | None) -> str:
         names = list(self.active_adapters) if adapter_names is None else list(adapter_names)
@@ -402,17 +420,27 @@ class UBMoEModel(BaseTuner):
         return self.model
 
 
+def _cached_length(cache: Any) -> int | None:
+    """Tokens a KV cache holds before this forward (0 without one); None for a cache that cannot tell."""
+    if cache is None:
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except (AttributeError, TypeError, ValueError):  # a legacy tuple cache, or a cache type of its own
+        return None
+
+
 def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:
     import transformers
 
     model_type = getattr(text_config(model), "model_type", None)
     return RuntimeError(
         f"Mode 'bi' asked for bidirectional attention, but transformers {transformers.__version__} with "
-        f"attn_implementation={implementation!r} gave the first layer of this {model_type!r} model a causal mask. "
-        "Mode bi passes is_causal=False to the decoder, which transformers' masking reads for Llama, Mistral, Qwen, "
-        "Gemma and most current decoders; this architecture (or this transformers release) ignores it. Use a "
-        "supported architecture (docs/usage.md) or the transformers range that ubmoe-peft declares; modes uni and moe "
-        "are not affected."
+        f"attn_implementation={implementation!r} gave the first attention layer of this {model_type!r} model a "
+        "causal mask. Mode bi passes is_causal=False to the decoder, which transformers' masking reads for Llama, "
+        "Mistral, Qwen, Gemma and most current decoders; this architecture (or this transformers release) ignores it. "
+        "Use a supported architecture (docs/usage.md) or the transformers range that ubmoe-peft declares; modes uni "
+        "and moe are not affected."
     )
 
 
@@ -511,6 +539,32 @@ def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
         )
 
 
+def _refuse_expert_blocks(config: UBMoEConfig, targets: dict[str, nn.Module]) -> None:
+    """A mixture-of-experts block keeps its experts' weights fused in 3-D parameters. One that also holds an
+    nn.Linear (its router, a shared expert) was wrapped: the LoRA expert adapted only those linears and the copy
+    expert duplicated every expert, silently; others failed later on the block's tuple output."""
+    fused = {}
+    for name, module in targets.items():
+        module = module.base_layer if isinstance(module, UBMoELayer) else module
+        weight = next(((key, p.dim()) for key, p in module.named_parameters() if p.dim() >= 3), None)
+        if weight is not None:
+            fused[name] = weight
+    if not fused:
+        return
+    dense = sorted({layer_index(name) for name in targets if name not in fused} - {None})
+    name, (weight, dims) = next(iter(fused.items()))
+    fix = (
+        f"Wrap only the layers with a dense FFN: UBMoEConfig(layers_to_transform={dense})."
+        if dense
+        else "The targeted layers hold no dense FFN; use a dense model."
+    )
+    raise ValueError(
+        f"Target module {name!r} ({len(fused)} of {len(targets)} targets) is a mixture-of-experts block: it holds "
+        f"fused expert weights ({weight!r}, {dims}-D). UBMoE pairs a dense FFN with its bidirectional twin and "
+        f"cannot make experts of an MoE block. {fix}"
+    )
+
+
 def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
     signature = base_signature(model)
@@ -540,6 +594,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
         )
     _check_modules_to_save(config, targets, adapter_name)
+    _refuse_expert_blocks(config, targets)
     for name, module in targets.items():
         if isinstance(module, UBMoELayer):
             module = module.base_layer

@@ -131,11 +131,18 @@ class ModeState:
     def spec(self) -> ModeSpec:
         return MODES[self.mode]
 
-    def begin_forward(self, attention_mask: torch.Tensor | None) -> None:
+    def begin_forward(self, attention_mask: torch.Tensor | None, past: int | None = 0) -> None:
+        """A forward starts: keep which of its tokens are real, for the routing statistics. ``past``: tokens already
+        in the KV cache (None: unknown)."""
         self.tally()  # the previous forward's routing, before it is replaced
         if attention_mask is not None and attention_mask.dim() == 4:
             # A 4D mask (used as given): the real keys are those some query may attend to; a padding key none.
+            queries = attention_mask.shape[-2]
             attention_mask = allowed_pairs(attention_mask).any(dim=-2)[:, 0]  # (B, K)
+            if past is not None and attention_mask.shape[-1] > past + queries:
+                # A static cache's mask spans all its slots, empty ones after the current tokens: keep the slots up
+                # to the current tokens, which `_sums` reads at the end (it read empty slots: a share of 0)
+                attention_mask = attention_mask[:, : past + queries]
         self.token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
