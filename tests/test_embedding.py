@@ -229,6 +229,44 @@ def test_a_model_unloaded_in_place_refuses_to_embed_or_run(tokenizer, how):
     assert returned(input_ids=torch.tensor([[5, 6]])).logits.isfinite().all()  # the returned model runs
 
 
+def test_a_saved_sentence_transformer_loads_back_with_all_its_settings(tokenizer, tmp_path):
+    """The by-hand reload (PeftModel.from_pretrained, then to_sentence_transformer) lost what sentence-transformers
+    saved: a default prompt, the similarity function, truncate_dim, the pooling's include_prompt, a Normalize module.
+    Embeddings differed by 0.48 and had another size. Also an adapter that is not the default one."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    from ubmoe_peft import load_sentence_transformer
+
+    model = get_peft_model(tiny_model(), UBMoEConfig(), adapter_name="emb").eval()
+    perturb_adapters(model, std=0.1)
+    encoder = to_sentence_transformer(model, tokenizer, prompt=w(20) + " {text} " + w(21), max_length=24)[0]
+    pooling = Pooling(encoder.get_embedding_dimension(), "mean", include_prompt=False)
+    st = SentenceTransformer(
+        modules=[encoder, pooling, Normalize()],
+        prompts={"query": w(30) + " "},
+        default_prompt_name="query",
+        similarity_fn_name="dot",
+        truncate_dim=16,
+        device="cpu",
+    )
+    texts = [w(5, 6, 7), w(9)]
+    expected = st.encode(texts, convert_to_tensor=True)
+    st.save(str(tmp_path / "st"))
+    loaded = load_sentence_transformer(tiny_model(), tmp_path / "st", device="cpu")
+    torch.testing.assert_close(loaded.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-5)
+    assert expected.shape[-1] == 16 and loaded.similarity_fn_name == "dot" and loaded.default_prompt_name == "query"
+    assert loaded[0].prompt == encoder.prompt and loaded[0].max_length == 24 and not loaded[1].include_prompt
+    assert loaded[0].model.active_adapter == "emb" and ubmoe_peft.get_mode(loaded[0].model) == "moe"
+    loaded.save(str(tmp_path / "again"))  # it saves as it was saved, and loads again
+    again = load_sentence_transformer(tiny_model(), tmp_path / "again", device="cpu")
+    torch.testing.assert_close(again.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="already wrapped with UBMoE layers; pass the plain base model"):
+        load_sentence_transformer(model, tmp_path / "st")
+    with pytest.raises(TypeError, match="base must be the base model .* got str"):
+        load_sentence_transformer(str(tmp_path), tmp_path / "st")
+
+
 def test_bad_arguments_and_inputs_are_named(tokenizer):
     model = _wrapped()
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got str 'model_dir'"):
@@ -263,5 +301,5 @@ def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_p
     # error it gets names the steps above and the trainer that does load checkpoints
     from sentence_transformers import SentenceTransformer
 
-    with pytest.raises(NotImplementedError, match="(?s)PeftModel.from_pretrained.*load_best_model_at_end keeps the "):
+    with pytest.raises(NotImplementedError, match="(?s)load_sentence_transformer.*load_best_model_at_end keeps the "):
         SentenceTransformer(str(tmp_path), trust_remote_code=True)

@@ -16,10 +16,10 @@ _TRAINERS = ("ContrastiveConfig", "ContrastiveTrainer", "RouterConfig", "RouterT
 
 def __getattr__(name: str):
     # sentence-transformers and TRL are an optional extra: import them only when asked for
-    if name == "to_sentence_transformer":
-        from .embedding import to_sentence_transformer
+    if name in ("to_sentence_transformer", "load_sentence_transformer"):
+        from . import embedding
 
-        return to_sentence_transformer
+        return getattr(embedding, name)
     if name in _TRAINERS:
         from . import trainers
 
@@ -38,6 +38,7 @@ __all__ = [
     "UBMoEModel",
     "attention_dependence",
     "get_mode",
+    "load_sentence_transformer",
     "routing_stats",
     "set_mode",
     "set_stage",

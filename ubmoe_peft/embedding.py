@@ -181,21 +181,90 @@ class UBMoEEncoder(InputModule):
         return _backbone(self.model).config.hidden_size
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
-        """Saves the adapter (not the base model), the tokenizer and this module's config."""
-        self.model.save_pretrained(str(Path(output_path) / "ubmoe_adapter"))
+        """Saves the adapter that embeds (the active one; not the base model), the tokenizer and this module's
+        config."""
+        active = getattr(self.model, "active_adapter", None)
+        selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
+        self.model.save_pretrained(str(Path(output_path) / "ubmoe_adapter"), **selected)
         self.save_tokenizer(output_path)
         self.save_config(output_path)
 
+    # The base model a `load_sentence_transformer` call loads the adapter onto (set on a subclass made per call).
+    _load_onto: nn.Module | None = None
+
     @classmethod
-    def load(cls, *args: Any, **kwargs: Any) -> UBMoEEncoder:
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> UBMoEEncoder:
+        """The encoder `save` wrote, on the base model of `load_sentence_transformer` (no other caller has one)."""
+        if cls._load_onto is not None:
+            from peft import PeftModel
+            from transformers import AutoTokenizer
+
+            hub = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
+            folder = Path(cls.load_dir_path(model_name_or_path, subfolder=subfolder, **hub))
+            settings = cls.load_config(str(folder))
+            adapter, name = _saved_adapter(folder / "ubmoe_adapter")
+            model = PeftModel.from_pretrained(cls._load_onto, str(adapter), adapter_name=name)
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            return UBMoEEncoder(model, tokenizer, **{k: settings[k] for k in cls.config_keys if k in settings})
         raise NotImplementedError(
             "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
-            "PeftModel.from_pretrained(base, '<folder>/ubmoe_adapter') (an adapter not named 'default' lies in "
-            "'<folder>/ubmoe_adapter/<name>') and ubmoe_peft.to_sentence_transformer(...). sentence-transformers' own "
+            "ubmoe_peft.load_sentence_transformer(base, '<folder>'), which loads the adapter onto it and restores "
+            "the rest. sentence-transformers' own "
             "trainer cannot load such a checkpoint, so with it load_best_model_at_end keeps the last weights and "
             "resume_from_checkpoint fails: train with ubmoe_peft.ContrastiveTrainer, which takes any "
             "sentence-transformers loss (loss=...) and loads its checkpoints."
         )
+
+
+def _saved_adapter(folder: Path) -> tuple[Path, str]:
+    """The adapter `UBMoEEncoder.save` wrote into ``folder`` and its name: ``default`` at the top, another name in a
+    subfolder of its own (as PEFT's `save_pretrained` lays them out)."""
+    if (folder / "adapter_config.json").is_file():
+        return folder, "default"
+    named = sorted(p for p in folder.glob("*/adapter_config.json")) if folder.is_dir() else []
+    if len(named) != 1:
+        found = [str(p.parent.relative_to(folder)) for p in named]
+        raise FileNotFoundError(
+            f"{str(folder)!r} should hold the one adapter a UBMoE SentenceTransformer saved (its adapter_config.json, "
+            f"or one subfolder named after the adapter); it holds {found or 'none'}. Pass the folder that "
+            "SentenceTransformer.save wrote."
+        )
+    return named[0].parent, named[0].parent.name
+
+
+def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any) -> SentenceTransformer:
+    """What ``st.save(folder)`` wrote for a `to_sentence_transformer` model, loaded back onto ``base``.
+
+    ``base`` is the base model the adapter was trained on, loaded as it was then (not wrapped). The adapter that
+    embedded is loaded onto it (`PeftModel.from_pretrained`), with the saved tokenizer, prompt template,
+    ``max_length`` and mode; sentence-transformers restores everything it saved around them: the pooling and its
+    options, modules after it (``Normalize``, ``Dense``), ``prompts``, ``default_prompt_name``,
+    ``similarity_fn_name`` and ``truncate_dim``. ``kwargs`` go to `SentenceTransformer` (``device``, ...).
+
+    Why not ``SentenceTransformer(folder)``: it imports each saved module's class by name and calls its ``load`` with
+    the folder alone, and a UBMoE folder holds no base model. sentence-transformers' ``_load_with_module_classes``
+    (what its own trainer uses to reload a model whose modules it already has) takes the classes to use instead, so
+    the encoder's class is handed over with the base attached. That method is private: a sentence-transformers
+    release without it is named, with the steps to follow by hand.
+    """
+    if not isinstance(base, nn.Module):
+        raise TypeError(f"base must be the base model (a torch module), got {type(base).__name__} {str(base)[:60]!r}.")
+    if ubmoe_layers(base):
+        raise ValueError(
+            f"base ({type(base).__name__}) is already wrapped with UBMoE layers; pass the plain base model (loaded as "
+            "for training): the saved adapter is loaded onto it."
+        )
+    loader = getattr(SentenceTransformer, "_load_with_module_classes", None)
+    if loader is None:  # pragma: no cover - depends on the installed sentence-transformers
+        import sentence_transformers
+
+        raise NotImplementedError(
+            f"sentence-transformers {sentence_transformers.__version__} cannot be handed the base model. Load the "
+            f"adapter with PeftModel.from_pretrained(base, '{folder}/ubmoe_adapter') and rebuild with "
+            "ubmoe_peft.to_sentence_transformer(...), passing the prompt, pooling and max_length again."
+        )
+    encoder = type(UBMoEEncoder.__name__, (UBMoEEncoder,), {"_load_onto": base, "__module__": __name__})
+    return loader(str(folder), {f"{__name__}.{UBMoEEncoder.__qualname__}": encoder}, **kwargs)
 
 
 def _checkpointing(model: nn.Module) -> bool:
