@@ -270,6 +270,7 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-sts", "--data", "{bad}/one_row.tsv"], ValueError, "one_row.tsv' has 1 row: a rank correlation"),
         (["eval-sts", "--data", "{sts}", "--max_rows", "1"], ValueError, "has 1 row: a rank correlation"),
         (["eval-sts", "--data", "{bad}/flat.tsv"], ValueError, "flat.tsv' has the same score 2.0 in all 2 rows"),
+        (["eval-sts", "--data", "{bad}/nan.tsv"], ValueError, "nan.tsv': row 1 .* has the score nan; gold scores"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
         (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
@@ -317,6 +318,7 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "text_score.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n{w(5)}\t{w(6)}\tabc\n")
     (bad / "one_row.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t1.0\n")
     (bad / "flat.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t2.0\n{w(5)}\t{w(6)}\t2\n")
+    (bad / "nan.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t2.0\n{w(5)}\t{w(6)}\tnan\n")
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")

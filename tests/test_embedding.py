@@ -12,6 +12,7 @@ from sentence_transformers import losses
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, to_sentence_transformer
+from ubmoe_peft.modes import ubmoe_layers
 
 
 def _wrapped(expert="lora"):
@@ -265,6 +266,59 @@ def test_a_saved_sentence_transformer_loads_back_with_all_its_settings(tokenizer
         load_sentence_transformer(model, tmp_path / "st")
     with pytest.raises(TypeError, match="base must be the base model .* got str"):
         load_sentence_transformer(str(tmp_path), tmp_path / "st")
+    with pytest.raises(ValueError, match="model_kwargs=.* load the base model with those settings"):
+        load_sentence_transformer(tiny_model(), tmp_path / "st", model_kwargs={"dtype": "bfloat16"})
+    model.save_pretrained(str(tmp_path / "st" / "ubmoe_adapter"))  # an earlier release's save: every adapter
+    model.add_adapter("other", UBMoEConfig())
+    model.save_pretrained(str(tmp_path / "st" / "ubmoe_adapter"), selected_adapters=["other"])
+    base = tiny_model()
+    with pytest.raises(FileNotFoundError, match=r"it holds \['emb', 'other'\]. A save by an earlier"):
+        load_sentence_transformer(base, tmp_path / "st")
+    assert not ubmoe_layers(base)  # the failed load left the base as it was
+    SentenceTransformer(modules=[Pooling(8)], device="cpu").save(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="without a UBMoE encoder .* Load it with SentenceTransformer"):
+        load_sentence_transformer(tiny_model(), tmp_path / "plain")
+
+
+def test_embedding_in_threads_leaves_other_threads_in_the_models_mode(tokenizer):
+    """One model serving embeddings and generation from several threads (a web server): each embedding call set the
+    model to mode bi and back, so a forward in another thread ran in mode bi, and two overlapping calls left the model
+    in mode bi for good (10 times in 10: every later generate ran bidirectional). With the mode-bi attention adapter,
+    whose deltas ride on temporary hooks of the shared attention modules."""
+    import threading
+
+    model = get_peft_model(tiny_model(), UBMoEConfig(attention_r=4)).eval()
+    perturb_adapters(model, std=0.1)
+    st = to_sentence_transformer(model, tokenizer)
+    texts = [w(5, 6, 7, 8), w(9, 10), w(11)]
+    expected = st.encode(texts, convert_to_tensor=True)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        moe = model(input_ids=ids).logits
+    wrong: list[str] = []
+    embedding_done = threading.Event()
+
+    def embed() -> None:
+        for _ in range(10):
+            if not torch.allclose(st.encode(texts, convert_to_tensor=True, batch_size=2), expected, atol=1e-5):
+                wrong.append("embedding")
+
+    def generate() -> None:
+        while not embedding_done.is_set():
+            with torch.no_grad():
+                if not torch.allclose(model(input_ids=ids).logits, moe, atol=1e-5):
+                    wrong.append("moe forward")
+
+    embedders = [threading.Thread(target=embed) for _ in range(2)]
+    generator = threading.Thread(target=generate)
+    for thread in [*embedders, generator]:
+        thread.start()
+    for thread in embedders:
+        thread.join()
+    embedding_done.set()
+    generator.join()
+    assert wrong == []
+    assert ubmoe_peft.get_mode(model) == "moe"
 
 
 def test_bad_arguments_and_inputs_are_named(tokenizer):

@@ -85,6 +85,19 @@ def test_router_trainer_trains_only_the_routers_and_logs_bi_share(tokenizer, tmp
     assert ubmoe_peft.routing_stats(model)  # the last step's per-layer shares are there too
 
 
+def test_router_trainer_predict_leaves_nothing_to_the_next_evaluate(tokenizer, tmp_path):
+    """TRL empties its per-batch metrics only when it logs, which predict() never does: the next evaluate() averaged
+    the predicted batches into its eval_bi_share."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    perturb_adapters(model, std=0.5)  # routers that send tokens both ways
+    args = RouterConfig(output_dir=str(tmp_path), per_device_eval_batch_size=4, max_length=32, **QUIET)
+    trainer = RouterTrainer(model, args=args, train_dataset=_texts(), processing_class=tokenizer)
+    other = Dataset.from_dict({"text": [w(*range(50, 62))] * 4})
+    fresh = trainer.evaluate(eval_dataset=other)
+    trainer.predict(trainer.train_dataset)
+    assert trainer.evaluate(eval_dataset=other)["eval_bi_share"] == pytest.approx(fresh["eval_bi_share"])
+
+
 def test_router_trainer_save_model_reloads_the_trained_routers(tokenizer, tmp_path):
     model = get_peft_model(tiny_model(), UBMoEConfig())
     args = RouterConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, max_length=32, **QUIET)

@@ -7,6 +7,7 @@ task needs and turns a mismatch into an error that lists what the data has.
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,14 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
 def check_sts_scores(rows: Any, spec: str) -> None:
     """A rank correlation needs 2 rows and 2 different scores: ``eval-sts`` checks that before the model loads, so
     the error names the data (the evaluation's own check cannot)."""
-    scores = {float(score) for score in rows["score"]}
+    values = [float(score) for score in rows["score"]]
+    bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
+    if bad is not None:
+        raise ValueError(
+            f"Data {spec!r}: row {bad} (counting from 0) has the score {values[bad]}; gold scores must be finite. "
+            "Fill it in or drop the row."
+        )
+    scores = set(values)
     if len(rows) < 2 or len(scores) < 2:
         found = f"{len(rows)} row" if len(rows) < 2 else f"the same score {scores.pop()} in all {len(rows)} rows"
         raise ValueError(

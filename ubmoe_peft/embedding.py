@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .evaluation import check_tokenizer
-from .modes import get_mode, ubmoe_layers, use_mode
+from .modes import get_mode, mode_state, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import MODES
 
 try:
@@ -172,7 +172,9 @@ class UBMoEEncoder(InputModule):
                 "with gradient checkpointing on, the backward pass would recompute the layers in mode "
                 f"{current!r}. Call {fix} before training (or turn gradient checkpointing off)."
             )
-        with use_mode(self.model, self.mode):
+        # The switch to mode bi and back happens while this thread holds the model's forward lock: a thread that
+        # generates meanwhile waits for its next forward instead of running it in mode bi (ModeState)
+        with mode_state(self.model).forward_lock, use_mode(self.model, self.mode):
             out = _backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
         features["token_embeddings"] = out.last_hidden_state  # (B, T, C)
         return features
@@ -203,8 +205,8 @@ class UBMoEEncoder(InputModule):
             folder = Path(cls.load_dir_path(model_name_or_path, subfolder=subfolder, **hub))
             settings = cls.load_config(str(folder))
             adapter, name = _saved_adapter(folder / "ubmoe_adapter")
+            tokenizer = AutoTokenizer.from_pretrained(str(folder))  # first: a failure leaves the base unwrapped
             model = PeftModel.from_pretrained(cls._load_onto, str(adapter), adapter_name=name)
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
             return UBMoEEncoder(model, tokenizer, **{k: settings[k] for k in cls.config_keys if k in settings})
         raise NotImplementedError(
             "A saved UBMoE SentenceTransformer holds only the adapter. Load the base model, then "
@@ -219,17 +221,17 @@ class UBMoEEncoder(InputModule):
 def _saved_adapter(folder: Path) -> tuple[Path, str]:
     """The adapter `UBMoEEncoder.save` wrote into ``folder`` and its name: ``default`` at the top, another name in a
     subfolder of its own (as PEFT's `save_pretrained` lays them out)."""
-    if (folder / "adapter_config.json").is_file():
-        return folder, "default"
-    named = sorted(p for p in folder.glob("*/adapter_config.json")) if folder.is_dir() else []
-    if len(named) != 1:
-        found = [str(p.parent.relative_to(folder)) for p in named]
+    top = (folder / "adapter_config.json").is_file()
+    named = sorted(p.parent for p in folder.glob("*/adapter_config.json")) if folder.is_dir() else []
+    if top + len(named) != 1:
+        found = (["default"] if top else []) + [p.name for p in named]
         raise FileNotFoundError(
-            f"{str(folder)!r} should hold the one adapter a UBMoE SentenceTransformer saved (its adapter_config.json, "
-            f"or one subfolder named after the adapter); it holds {found or 'none'}. Pass the folder that "
-            "SentenceTransformer.save wrote."
+            f"{str(folder)!r} should hold the one adapter a UBMoE SentenceTransformer saves (the one that embeds: "
+            f"adapter_config.json at the top, or in a subfolder named after the adapter); it holds {found or 'none'}"
+            ". A save by an earlier ubmoe-peft holds every adapter of the model and not which one embedded: load "
+            "that one with PeftModel.from_pretrained and rebuild with to_sentence_transformer."
         )
-    return named[0].parent, named[0].parent.name
+    return (folder, "default") if top else (named[0], named[0].name)
 
 
 def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any) -> SentenceTransformer:
@@ -254,6 +256,11 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
             f"base ({type(base).__name__}) is already wrapped with UBMoE layers; pass the plain base model (loaded as "
             "for training): the saved adapter is loaded onto it."
         )
+    if kwargs.get("model_kwargs"):
+        raise ValueError(
+            f"model_kwargs={kwargs['model_kwargs']!r} would go to the modules that load a model, and this folder holds "
+            "none: load the base model with those settings (dtype, attn_implementation...) and pass it as base."
+        )
     loader = getattr(SentenceTransformer, "_load_with_module_classes", None)
     if loader is None:  # pragma: no cover - depends on the installed sentence-transformers
         import sentence_transformers
@@ -264,7 +271,13 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
             "ubmoe_peft.to_sentence_transformer(...), passing the prompt, pooling and max_length again."
         )
     encoder = type(UBMoEEncoder.__name__, (UBMoEEncoder,), {"_load_onto": base, "__module__": __name__})
-    return loader(str(folder), {f"{__name__}.{UBMoEEncoder.__qualname__}": encoder}, **kwargs)
+    st = loader(str(folder), {f"{__name__}.{UBMoEEncoder.__qualname__}": encoder}, **kwargs)
+    if not any(isinstance(module, UBMoEEncoder) for module in st):
+        raise ValueError(
+            f"{str(folder)!r} holds a SentenceTransformer without a UBMoE encoder (modules "
+            f"{[type(m).__name__ for m in st]}), so base was not used. Load it with SentenceTransformer(folder)."
+        )
+    return st
 
 
 def _checkpointing(model: nn.Module) -> bool:

@@ -26,7 +26,8 @@ def ubmoe_layers(model: nn.Module) -> list[UBMoELayer]:
     return [m for m in model.modules() if isinstance(m, UBMoELayer)]
 
 
-def _state(model: nn.Module) -> ModeState:
+def mode_state(model: nn.Module) -> ModeState:
+    """The mode state ``model``'s UBMoE layers share; refuses a model without them, or one superseded."""
     state = getattr(getattr(model, "base_model", None), "_ubmoe_state", None) or getattr(model, "_ubmoe_state", None)
     if state is not None and state.superseded:
         raise superseded_error(state.superseded)
@@ -44,23 +45,29 @@ def set_mode(model: nn.Module, mode: str) -> None:
     """Switch ``model`` to mode ``"uni"`` (base model), ``"bi"`` (embeddings) or ``"moe"`` (routed generation)."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
-    _state(model).mode = mode
+    state = mode_state(model)
+    with state.forward_lock:  # between forwards: another thread's forward keeps its mode to its end
+        state.mode = mode
 
 
 def get_mode(model: nn.Module) -> str:
-    """The current mode of ``model``."""
-    return _state(model).mode
+    """The current mode of ``model`` (not the mode bi of another thread's embedding call in progress)."""
+    state = mode_state(model)
+    with state.forward_lock:
+        return state.mode
 
 
 @contextmanager
 def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
-    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises.
-
-    The mode applies to this thread only (like `torch.no_grad`): other threads using the same model keep theirs."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
-    with _state(model).override(mode):
+    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises."""
+    state = mode_state(model)
+    previous = get_mode(model)
+    set_mode(model, mode)
+    try:
         yield model
+    finally:
+        with state.forward_lock:
+            state.mode = previous
 
 
 def _active_adapter(model: nn.Module) -> str:
@@ -85,7 +92,7 @@ def set_stage(model: nn.Module, stage: str) -> None:
     both stages."""
     if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
-    _state(model)  # refuses a model without UBMoE layers, or a superseded one, before anything is frozen
+    mode_state(model)  # refuses a model without UBMoE layers, or a superseded one, before anything is frozen
     adapter = _active_adapter(model)
     layers = ubmoe_layers(model)
     if not any(adapter in layer.ubmoe_router for layer in layers):
@@ -105,7 +112,7 @@ def set_stage(model: nn.Module, stage: str) -> None:
 def routing_stats(model: nn.Module) -> dict[int, float] | None:
     """{layer index: share of real tokens sent to the bi expert} in the last mode-moe forward (top_k=2: the mean bi
     weight); None before any mode-moe forward."""
-    return _state(model).shares()
+    return mode_state(model).shares()
 
 
 @contextmanager
@@ -113,7 +120,7 @@ def track_routing(model: nn.Module) -> Iterator[RoutingTally]:
     """Sum the routing of every mode-moe forward in the block (a whole evaluation, or every step of ``generate``):
     ``tally.shares()`` is {layer index: share of all real tokens sent to the bi expert}, ``tally.mean()`` its mean
     over layers. `routing_stats` keeps only the last forward."""
-    state = _state(model)
+    state = mode_state(model)
     tally = RoutingTally()
     state.tally()  # open blocks get the last forward's routing now; the new block starts from the next forward
     state.tallies.append(tally)

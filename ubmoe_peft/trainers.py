@@ -378,7 +378,13 @@ class RouterTrainer(SFTTrainer):
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         with use_mode(self.model, "moe"):
-            return super().predict(*args, **kwargs)
+            output = super().predict(*args, **kwargs)
+        # TRL collects per-batch metrics in eval mode and empties them only when it logs, which predict never does:
+        # the next evaluate() averaged the predicted batches into its bi_share (and TRL's entropy)
+        metrics = getattr(self, "_metrics", {}).get("eval")
+        if metrics is not None:
+            metrics.clear()
+        return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # transformers saves the adapter "default" at the checkpoint's top and every other one in a subfolder

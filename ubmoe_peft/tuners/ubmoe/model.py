@@ -305,7 +305,8 @@ class UBMoEModel(BaseTuner):
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         with self._enable_peft_forward_hooks(**kwargs):  # the same per-call checks as a forward
-            bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
+            with self._ubmoe_state.forward_lock:  # not mid-way through another thread's embedding call (mode bi)
+                bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
             if bidirectional and kwargs.get("use_cache") is not False:
                 raise RuntimeError(
                     "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
@@ -362,13 +363,18 @@ class UBMoEModel(BaseTuner):
         where mode bi is (its config's ``is_causal=False`` is what mode bi passes at each forward). GPT-Neo, which
         ignores both, was merged into a causal model presented as the embedding model, without a word."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.model.get_input_embeddings().weight.device)
-        try:
-            with torch.no_grad(), self._ubmoe_state.override("bi"):
-                self.model(input_ids=ids)
-        except (RuntimeError, ValueError) as err:
-            raise type(err)(
-                f"merge_and_unload(target='bi') makes the mode-bi model, which this model cannot run: {err}"
-            ) from err
+        state = self._ubmoe_state
+        with state.forward_lock:  # no other thread's forward runs in mode bi meanwhile
+            previous, state.mode = state.mode, "bi"
+            try:
+                with torch.no_grad():
+                    self.model(input_ids=ids)
+            except (RuntimeError, ValueError) as err:
+                raise type(err)(
+                    f"merge_and_unload(target='bi') makes the mode-bi model, which this model cannot run: {err}"
+                ) from err
+            finally:
+                state.mode = previous
 
     def _merge_adapter(self, adapter_names: list[str] | None) -> str:
         names = list(self.active_adapters) if adapter_names is None else list(adapter_names)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,23 +48,21 @@ def superseded_error(reason: str = "wrapped again") -> ValueError:
 class ModeState:
     """Mode and routing statistics of one wrapped model; every UBMoE layer of that model holds the same object.
 
-    One model may serve embeddings and generation from several threads at once (a web server). Two things make
-    that safe, as far as PyTorch's modules allow:
+    The mode is the model's, in every thread (`set_mode`, `use_mode`): autograd's device threads (which recompute
+    checkpointed layers) and DataParallel's workers must see it, and they see no thread-local state of ours.
 
-    - The model's mode (`set_mode`) is shared, but `use_mode` overrides it for its own thread only, as
-      `torch.no_grad` does: an embedding call in one thread no longer turned another thread's generation
-      bidirectional, nor left the model in mode bi when two such calls overlapped (each restored the other's mode).
-    - ``forward_lock`` lets one forward of the decoder run at a time (`UBMoEModel._before_backbone` takes it,
-      `_after_backbone` releases it). A forward's padding mask and routing live here, and the LoRA deltas of
-      training, quantized layers and the attention adapter ride on temporary hooks on modules the threads share:
-      two forwards at once would read each other's. Threads still overlap everywhere else (tokenizing, pooling,
-      sampling).
+    ``forward_lock`` lets one forward of the decoder run at a time (`UBMoEModel._before_backbone` takes it,
+    `_after_backbone` releases it). A forward's padding mask and routing live here, and the LoRA deltas of training,
+    quantized layers and the attention adapter ride on temporary hooks on modules the threads share: two forwards
+    at once would read each other's. The SentenceTransformer holds it around its switch to mode bi and back
+    (`UBMoEEncoder.forward`), so a thread generating meanwhile never runs in mode bi, and two overlapping
+    embedding calls no longer left the model in mode bi (each restored the mode the other had set).
     """
 
     def __init__(self) -> None:
-        self._mode = "moe"  # the model's mode; `use_mode` blocks override it in their thread (`mode`)
-        self._threads = threading.local()  # .overrides: this thread's open `use_mode` modes; .held: lock depth
+        self.mode = "moe"
         self.forward_lock = threading.RLock()
+        self._threads = threading.local()  # .held: this thread's holds taken by `lock_forward`
         self.adapters_enabled = True
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
         self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
@@ -79,45 +75,24 @@ class ModeState:
         # over, UBMoEModel._take_over) or "unloaded" (UBMoEModel._unwrap); None while it does
         self.superseded: str | None = None
 
-    @property
-    def mode(self) -> str:
-        """This thread's mode: its innermost `use_mode` block's, else the model's."""
-        overrides = getattr(self._threads, "overrides", None)
-        return overrides[-1] if overrides else self._mode
-
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        # Inside a `use_mode` block, `set_mode` changes that block's mode, which the block's end restores (as
-        # before threads were considered); outside one, the model's.
-        overrides = getattr(self._threads, "overrides", None)
-        if overrides:
-            overrides[-1] = mode
-        else:
-            self._mode = mode
-
-    @contextmanager
-    def override(self, mode: str) -> Iterator[None]:
-        """Run the block in ``mode`` in this thread only (`ubmoe_peft.use_mode`)."""
-        overrides = self._threads.__dict__.setdefault("overrides", [])
-        overrides.append(mode)
-        try:
-            yield
-        finally:
-            overrides.pop()
-
     def lock_forward(self) -> None:
+        """Take the forward lock for one forward of the decoder. A hold this thread still has is from a forward
+        that never reached its end (KeyboardInterrupt skips PyTorch's always-called hooks): it is released first,
+        or every other thread's next forward would wait for ever."""
+        for _ in range(getattr(self._threads, "held", 0)):
+            self.forward_lock.release()
         self.forward_lock.acquire()
-        self._threads.held = getattr(self._threads, "held", 0) + 1
+        self._threads.held = 1
 
     def unlock_forward(self) -> None:
         """Release what `lock_forward` took in this thread; nothing when it took nothing (a hook before ours
         raised before the forward could start)."""
         if getattr(self._threads, "held", 0) > 0:
-            self._threads.held -= 1
+            self._threads.held = 0
             self.forward_lock.release()
 
     def __getstate__(self) -> dict:
-        # A deep copy (TRL reference models) or a pickle gets its own lock and no thread's open blocks
+        # A deep copy (TRL reference models) or a pickle gets its own lock, held by no thread
         state = dict(self.__dict__)
         del state["_threads"], state["forward_lock"]
         return state
