@@ -60,14 +60,10 @@ def get_mode(model: nn.Module) -> str:
 @contextmanager
 def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
     """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises."""
-    state = mode_state(model)
-    previous = get_mode(model)
-    set_mode(model, mode)
-    try:
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
+    with mode_state(model).switched(mode):
         yield model
-    finally:
-        with state.forward_lock:
-            state.mode = previous
 
 
 def _active_adapter(model: nn.Module) -> str:

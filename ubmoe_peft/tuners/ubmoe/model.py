@@ -364,17 +364,14 @@ class UBMoEModel(BaseTuner):
         ignores both, was merged into a causal model presented as the embedding model, without a word."""
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.model.get_input_embeddings().weight.device)
         state = self._ubmoe_state
-        with state.forward_lock:  # no other thread's forward runs in mode bi meanwhile
-            previous, state.mode = state.mode, "bi"
+        # Under the forward lock throughout: no other thread's forward runs in mode bi meanwhile
+        with state.forward_lock, state.switched("bi"), torch.no_grad():
             try:
-                with torch.no_grad():
-                    self.model(input_ids=ids)
+                self.model(input_ids=ids)
             except (RuntimeError, ValueError) as err:
                 raise type(err)(
                     f"merge_and_unload(target='bi') makes the mode-bi model, which this model cannot run: {err}"
                 ) from err
-            finally:
-                state.mode = previous
 
     def _merge_adapter(self, adapter_names: list[str] | None) -> str:
         names = list(self.active_adapters) if adapter_names is None else list(adapter_names)
@@ -545,7 +542,7 @@ def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
         )
 
 
-def _refuse_expert_blocks(config: UBMoEConfig, targets: dict[str, nn.Module]) -> None:
+def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
     """A mixture-of-experts block keeps its experts' weights fused in 3-D parameters. One that also holds an
     nn.Linear (its router, a shared expert) was wrapped: the LoRA expert adapted only those linears and the copy
     expert duplicated every expert, silently; others failed later on the block's tuple output."""
@@ -600,7 +597,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
         )
     _check_modules_to_save(config, targets, adapter_name)
-    _refuse_expert_blocks(config, targets)
+    _refuse_expert_blocks(targets)
     for name, module in targets.items():
         if isinstance(module, UBMoELayer):
             module = module.base_layer

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +76,18 @@ class ModeState:
         # Why this model no longer runs its layers: "wrapped again" (a later PeftModel on the same base took them
         # over, UBMoEModel._take_over) or "unloaded" (UBMoEModel._unwrap); None while it does
         self.superseded: str | None = None
+
+    @contextmanager
+    def switched(self, mode: str) -> Iterator[None]:
+        """Run the block in ``mode``, then restore the previous mode, also when the block raises. Both switches
+        happen between forwards (under the forward lock), never in the middle of another thread's."""
+        with self.forward_lock:
+            previous, self.mode = self.mode, mode
+        try:
+            yield
+        finally:
+            with self.forward_lock:
+                self.mode = previous
 
     def lock_forward(self) -> None:
         """Take the forward lock for one forward of the decoder. A hold this thread still has is from a forward
