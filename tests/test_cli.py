@@ -69,6 +69,18 @@ def test_training_help_names_the_default_output_folder(capsys, command, folder, 
     assert getattr(ubmoe_peft.trainers, config)().output_dir == folder  # what the command saves to
 
 
+def test_an_optional_bool_option_is_a_bare_flag(monkeypatch):
+    """RouterConfig's bf16 defaults to None (on where CUDA supports it), so transformers' parser made `--bf16` need a
+    value: `ubmoe train-router --bf16` exited 2, while train-contrastive's and TRL's `--bf16` stand alone."""
+    from ubmoe_peft.trainers import RouterConfig
+
+    _, classes = ubmoe_peft.cli.COMMANDS["train-router"]
+    monkeypatch.setitem(ubmoe_peft.cli.COMMANDS, "train-router", (lambda *parsed: parsed, classes))
+    for flags, bf16 in ((["--bf16"], True), (["--bf16", "false"], False), (["--bf16", "true"], True), ([], False)):
+        parsed = run(["train-router", "--use_cpu", *flags])
+        assert next(p for p in parsed if isinstance(p, RouterConfig)).bf16 is bf16, flags
+
+
 def test_unknown_command_names_it_and_the_commands(capsys):
     with pytest.raises(ValueError, match="(?s)unknown command 'trian-router'.*train-router"):
         run(["trian-router"])
@@ -243,6 +255,21 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
     assert not target.exists() and not list(tmp_path.glob(".never.*"))
 
 
+def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files, tmp_path, tokenizer, capsys):
+    """--dtype's float32 default turned a bf16 model into a float32 export (three times the file) without a word."""
+    bf16 = str(tmp_path / "bf16")
+    AutoModelForCausalLM.from_pretrained(files["model"], dtype=torch.bfloat16).save_pretrained(bf16)
+    tokenizer.save_pretrained(bf16)
+    adapter = str(tmp_path / "adapter")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(bf16), UBMoEConfig()).save_pretrained(adapter)
+    for dtype, expected in ((None, "float32"), ("auto", "bfloat16")):
+        out = tmp_path / f"out-{dtype}"
+        flags = ["--dtype", dtype] if dtype else []
+        run(["export", "--model", bf16, "--adapter", adapter, "--output_dir", str(out), "--device", "cpu", *flags])
+        assert f"(target 'moe', {expected}) to {out}" in capsys.readouterr().out
+        assert json.loads((out / "config.json").read_text())["dtype"] == expected
+
+
 @pytest.mark.parametrize(
     "argv, error, message",
     [
@@ -271,6 +298,9 @@ def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tok
         (["eval-sts", "--data", "{sts}", "--max_rows", "1"], ValueError, "has 1 row: a rank correlation"),
         (["eval-sts", "--data", "{bad}/flat.tsv"], ValueError, "flat.tsv' has the same score 2.0 in all 2 rows"),
         (["eval-sts", "--data", "{bad}/nan.tsv"], ValueError, "nan.tsv': row 1 .* has the score nan; gold scores"),
+        # a label beside anchor/positive (or a score beside texts) was dropped unseen, and every pair trained
+        (["train-contrastive", "--data", "{bad}/labelled.jsonl"], ValueError, "pairs with a 'label'.*as a positive"),
+        (["train-contrastive", "--data", "{bad}/scored_texts.jsonl"], ValueError, "with a 'score'.*as a positive"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
         (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
@@ -321,6 +351,8 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "nan.tsv").write_text(f"sentence1\tsentence2\tscore\n{w(3)}\t{w(4)}\t2.0\n{w(5)}\t{w(6)}\tnan\n")
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bad / "labelled.jsonl").write_text(json.dumps({"anchor": w(3), "positive": w(4), "label": 2}) + "\n")
+    (bad / "scored_texts.jsonl").write_text(json.dumps({"text": w(3), "score": 0.5}) + "\n")
     (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")
     (bad / "mixed").mkdir()  # a folder of two files with other columns
     (bad / "mixed" / "a.jsonl").write_text(json.dumps({"sentence1": w(3), "sentence2": w(4), "score": 1.0}) + "\n")

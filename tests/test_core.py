@@ -942,6 +942,25 @@ def test_a_base_with_offloaded_ffn_weights_is_refused_before_any_change():
     assert not any(isinstance(m, UBMoELayer) for m in base.modules())
 
 
+@pytest.mark.parametrize("lora_targets", [["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]])
+def test_a_base_holding_another_peft_methods_layers_is_refused_and_left_intact(lora_targets, tmp_path):
+    """Wrapping a LoRA model's base was accepted: the experts took LoRA's own modules for FFN projections, the save
+    held the LoRA tensors and loaded nowhere, and the LoRA model's config entry became a UBMoEConfig."""
+    from peft import LoraConfig
+
+    lora = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=lora_targets)).eval()
+    ids, mask = batch()
+    expected = logits(lora, ids, mask)
+    for target in (lora.get_base_model(), lora):
+        with pytest.raises(ValueError, match=r"already holds \d+ layers of another PEFT method .*merge_and_unload"):
+            get_peft_model(target, UBMoEConfig())
+    assert type(lora.peft_config["default"]).__name__ == "LoraConfig"
+    assert not any(isinstance(m, UBMoELayer) for m in lora.modules())
+    assert torch.equal(logits(lora, ids, mask), expected)
+    model = get_peft_model(lora.merge_and_unload(), UBMoEConfig())  # the named fix
+    assert layers(model)
+
+
 # ---- multiple adapters --------------------------------------------------------------------------------------------
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():
     """New modules start in training mode; an adapter added to an eval-mode model used to drop out at inference
@@ -975,6 +994,28 @@ def test_multiple_adapters_by_name():
     ubmoe_peft.set_stage(model, "router")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("ubmoe_router.default" in n for n in trainable)
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_delete_adapter_frees_its_modules_after_a_decode_step(expert):
+    """A decode step caches a plan per adapter that holds its modules: PEFT's delete_adapter left them, and a copy
+    expert's whole FFN per layer, alive."""
+    import gc
+    import weakref
+
+    model, _ = wrap("llama", expert)
+    model.add_adapter("big", UBMoEConfig(expert_type=expert))
+    model.set_adapter("big")
+    model.eval()
+    logits(model, *batch(b=1, t=1, padding=None))  # a decode-sized forward (at most 64 tokens) builds the plans
+    layer = layers(model)[0]
+    assert "big" in layer._plans
+    container = layer.ubmoe_copy if expert == "copy" else layer.ubmoe_lora_A
+    freed = weakref.ref(container["big"])
+    model.set_adapter("default")
+    model.delete_adapter("big")
+    gc.collect()
+    assert freed() is None and not any("big" in lay._plans for lay in layers(model))
 
 
 def test_layers_to_transform_wraps_only_those_layers():

@@ -47,6 +47,18 @@ def test_merged_bi_model_is_mode_bi(arch, attn, expert):
     torch.testing.assert_close(got[real], expected[real], **tol)
 
 
+def test_an_fp64_model_merges_with_its_attention_adapter_in_fp64():
+    """The attention adapter's LoRA weights were fp32 on an fp64 base (the FFN's fp64): the bi merge differed from
+    mode bi by 3e-6 where the FFN alone merges to 1e-15."""
+    model = get_peft_model(tiny_model("llama", dtype=torch.float64), UBMoEConfig(attention_r=4)).eval()
+    perturb_adapters(model)
+    assert {p.dtype for n, p in model.named_parameters() if "_A." in n or "_B." in n} == {torch.float64}
+    ids, mask = batch(padding=None)
+    ubmoe_peft.set_mode(model, "bi")
+    expected = hidden(model, ids, mask)
+    torch.testing.assert_close(hidden(model.merge_and_unload(target="bi"), ids, mask), expected, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("expert", EXPERTS)
 def test_merged_bi_model_saves_and_loads_bidirectional_without_ubmoe(expert, tmp_path):
     model = wrapped("qwen2", expert)
@@ -186,6 +198,12 @@ def test_exported_moe_model_is_mode_moe(arch, expert, top_k, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(loaded).__name__ == MOE_ARCHS[arch]
     torch.testing.assert_close(logits(loaded, ids, mask), logits(exported, ids, mask), rtol=0, atol=0)
+    # a static cache (compiled serving): Qwen3's layer_types, copied into the Qwen3-MoE config, made generate hand
+    # the model one mask per layer type, and it failed
+    greedy = dict(input_ids=ids[1:], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected_tokens = model.generate(**greedy)
+        assert torch.equal(loaded.generate(**greedy, cache_implementation="static"), expected_tokens)
 
 
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))

@@ -442,3 +442,41 @@ def test_router_trainer_on_a_4bit_base_keeps_the_router_dtype(saved_dirs, tmp_pa
     routers = {n: p for n, p in model.named_parameters() if ".ubmoe_router." in n}
     assert {p.dtype for p in routers.values()} == {torch.float32}  # TRL had cast them to bf16
     assert all(not torch.equal(p, before[n]) for n, p in routers.items())
+
+
+def test_a_copy_expert_trained_in_fp32_on_a_bf16_compute_base_loads_back_unrounded(saved_dirs, tmp_path):
+    """Wrapped, then prepared (prepare_model_for_kbit_training upcasts the bf16 copy to fp32, which trains and saves in
+    fp32): the reload built the copy in bf16 first and rounded the saved weights (mode bi off by 2.5e-3 relative)."""
+    model = prepare_model_for_kbit_training(
+        get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig(expert_type="copy"))
+    )
+    copies = {n: p for n, p in model.named_parameters() if ".ubmoe_copy." in n}
+    assert {p.dtype for p in copies.values()} == {torch.float32}
+    with torch.no_grad():
+        for param in copies.values():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(3)) * 1e-3)
+    model.save_pretrained(tmp_path)
+    loaded = PeftModel.from_pretrained(load_quantized(saved_dirs[128], "nf4-bf16-dq"), tmp_path)
+    restored = dict(loaded.named_parameters())
+    for name, param in copies.items():
+        assert restored[name].dtype == torch.float32 and torch.equal(restored[name], param), name
+    ids = ids_batch(2)
+    prepare_model_for_kbit_training(loaded)  # prepared the same way: the same outputs
+    for mode in ("bi", "moe"):
+        for m in (model, loaded):
+            ubmoe_peft.set_mode(m.eval(), mode)
+        torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
+
+
+def test_an_8bit_copy_expert_is_fp32_beside_an_fp16_bias(tmp_path):
+    """The copy took the dtype of an FFN bias (fp16 for an fp16 checkpoint of a model with FFN biases), which fp16
+    mixed precision refuses to step; 8-bit copies are fp32, as docs/qlora.md says."""
+    torch.manual_seed(0)
+    config = _config()
+    config.mlp_bias = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu", dtype=torch.float16
+    )
+    model = get_peft_model(base, UBMoEConfig(expert_type="copy"))
+    assert {p.dtype for n, p in model.named_parameters() if ".ubmoe_copy." in n} == {torch.float32}

@@ -30,6 +30,7 @@ from ubmoe_peft.io import (
     atomic_folder,
     atomic_write,
     atomic_write_text,
+    check_new_folder,
 )
 from ubmoe_peft.modes import ubmoe_layers
 
@@ -325,6 +326,35 @@ def test_missing_or_corrupted_file_fails_naming_it(saved, case):
     assert name in str(info.value) and str(folder) in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("saved_with", "loaded_into", "named"),
+    [(dict(top_k=2), dict(), "top_k=2 in the file, 1 in the model"), (dict(lora_alpha=64), dict(), "lora_alpha=64")],
+)
+def test_loading_into_an_adapter_of_other_settings_is_refused(tmp_path, saved_with, loaded_into, named):
+    """PEFT loads into an existing adapter of that name as it is: the weights ran under its scaling or routing
+    (mode moe off by 0.8 for top_k, 0.4 for lora_alpha), silently; from_pretrained with a config= of other
+    settings did the same."""
+    trained(wrap(**saved_with)).save_pretrained(tmp_path)
+    ids = torch.arange(10).view(1, 10)
+    model = trained(wrap(**loaded_into), seed=2)
+    before = snapshot(model)
+    with pytest.raises(AdapterMismatchError, match=rf"other settings .*'default' .*{named}.*Nothing was loaded"):
+        model.load_adapter(tmp_path, adapter_name="default")
+    assert same_state(model, before)
+    with pytest.raises(AdapterMismatchError, match=named):
+        peft.PeftModel.from_pretrained(tiny(), tmp_path, config=ubmoe_peft.UBMoEConfig(**loaded_into))
+    expected = logits(peft.PeftModel.from_pretrained(tiny(), tmp_path).eval(), ids)
+    model.load_adapter(tmp_path, adapter_name="other")  # the named fixes: another name, or delete it first
+    model.set_adapter("other")
+    torch.testing.assert_close(logits(model.eval(), ids), expected, rtol=0, atol=0)
+    model.set_adapter("other")
+    model.delete_adapter("default")
+    model.add_adapter("default", ubmoe_peft.UBMoEConfig(**saved_with))
+    model.load_adapter(tmp_path, adapter_name="default")  # the same settings: loads into it
+    model.set_adapter("default")
+    torch.testing.assert_close(logits(model.eval(), ids), expected, rtol=0, atol=0)
+
+
 def test_a_folder_of_named_adapters_points_to_them(tmp_path):
     """save_pretrained puts an adapter not named 'default' in a subfolder; loading the folder itself names them."""
     model = peft.get_peft_model(tiny(), ubmoe_peft.UBMoEConfig(), adapter_name="mine")
@@ -345,6 +375,36 @@ def test_modules_to_save_round_trip(tmp_path):
     loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
     torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
     assert not torch.equal(expected, logits(wrap(tiny()).eval(), ids))
+
+
+@pytest.mark.parametrize("case", ["resized", "resized, embeddings trained", "save_embedding_layers=True"])
+def test_an_adapter_saved_with_the_embeddings_loads_back(tmp_path, case):
+    """PEFT adds the base's embeddings to the save when the vocabulary was resized (or when asked), as for LoRA; the
+    loader refused its own save, blaming the file."""
+    tiny().save_pretrained(tmp_path / "base")  # PEFT compares the vocabulary with the saved base's config
+
+    def base(seed):
+        model = LlamaForCausalLM.from_pretrained(tmp_path / "base")
+        if case != "save_embedding_layers=True":
+            torch.manual_seed(seed)  # the new rows are drawn at random
+            model.resize_token_embeddings(VOCAB + 8)
+        return model.eval()
+
+    extra = dict(modules_to_save=["embed_tokens", "lm_head"]) if "trained" in case else {}
+    model = trained(wrap(base(seed=1), **extra))
+    ids = torch.tensor([[3, 5, VOCAB - 1, 7]])
+    if case != "save_embedding_layers=True":
+        ids[0, 2] = VOCAB + 3  # a new token
+    expected = logits(model, ids)
+    model.save_pretrained(tmp_path / "adapter", **({"save_embedding_layers": True} if "=True" in case else {}))
+    weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(k.endswith("embed_tokens.weight") for k in weights)
+    loaded = peft.PeftModel.from_pretrained(base(seed=2), tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
+    if case == "resized":
+        plain = LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()  # the vocabulary it was not saved with
+        with pytest.raises(AdapterMismatchError, match=r"embeddings saved with it do not fit.*resize_token_embeddings"):
+            peft.PeftModel.from_pretrained(plain, tmp_path / "adapter")
 
 
 def test_modules_to_save_train_in_both_stages_and_serve_every_mode():
@@ -774,3 +834,26 @@ def test_saved_files_get_the_mode_a_plain_write_gives(tmp_path):
         assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755  # not mkdtemp's 0o700
     finally:
         os.umask(old)
+
+
+def test_a_new_folder_is_checked_before_anything_is_made(tmp_path, monkeypatch):
+    """An export found a file in its path, a symbolic link or a folder it cannot write to only when it moved its files
+    into place, after loading and merging the model: a raw error naming a hidden temp folder."""
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=r"--output_dir '.*afile/sub' cannot be made: .*afile is a file"):
+        check_new_folder(tmp_path / "afile" / "sub", "--output_dir")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="not an empty folder .*; choose a new output folder"):
+        check_new_folder(tmp_path / "full")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ValueError, match=rf"cannot be made: {tmp_path} is not writable"):
+        check_new_folder(tmp_path / "new" / "deeper")
+    monkeypatch.undo()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")  # a link to an empty folder: the export goes there
+    with atomic_folder(tmp_path / "link") as tmp:
+        (pathlib.Path(tmp) / "config.json").write_text("{}")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "full", "link"]

@@ -312,6 +312,13 @@ def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):
         ContrastiveTrainer(plain, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)))
     with pytest.raises(ValueError, match="LlamaForCausalLM, which has no UBMoE layers"):
         RouterTrainer(plain, args=RouterConfig(output_dir=str(tmp_path)))
+    # A SentenceTransformer holds UBMoE layers too: ContrastiveTrainer took it and failed in training with a TypeError
+    st = ubmoe_peft.to_sentence_transformer(get_peft_model(tiny_model(), UBMoEConfig()), tokenizer)
+    with pytest.raises(TypeError, match=r"ContrastiveTrainer takes the PEFT model, not a SentenceTransformer.*st\[0\]"):
+        ContrastiveTrainer(st, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)), train_dataset=_pairs())
+    with pytest.raises(TypeError, match="RouterTrainer takes the PEFT model"):
+        RouterTrainer(st, args=RouterConfig(output_dir=str(tmp_path)), processing_class=tokenizer)
+    ContrastiveTrainer(st[0].model, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)), train_dataset=_pairs())
 
 
 def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp_path):
@@ -344,6 +351,16 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
     for eval_dataset, where in [(scored, "eval_dataset"), ({"sts": scored}, r"eval_dataset\['sts'\]")]:
         with pytest.raises(ValueError, match=rf"ContrastiveTrainer's {where} has columns .*'score'"):  # was evaluated
             ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_pairs(), eval_dataset=eval_dataset)
+    # The default loss embeds every column: a metadata column became a hard negative (a constant one, with the
+    # no-duplicates sampler, batches of one row) and a number failed naming no column
+    for extra, message in [("source", r"5 columns, more than anchor"), ("id", r"column 'id' holds int64, not text")]:
+        values = ["snli"] * 40 if extra == "source" else list(range(40))
+        rows = _pairs().add_column("more", [w(9)] * 40) if extra == "source" else _pairs()
+        with pytest.raises(ValueError, match=rf"{message}.*select_columns"):
+            ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=rows.add_column(extra, values))
+    two_negatives = _pairs().add_column("negative_2", [w(i + 60) for i in range(40)])
+    mnrl = lambda st: losses.MultipleNegativesRankingLoss(st, scale=20)  # noqa: E731
+    ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=two_negatives, loss=mnrl)  # the named opt-in
     trainer = ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=scored, loss=losses.CoSENTLoss)
     assert trainer.loss.model is trainer.sentence_transformer  # a loss class is built on the trained model
     own = ubmoe_peft.to_sentence_transformer(model, tokenizer, pooling="lasttoken")
@@ -361,6 +378,10 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         match=r"columns \['anchor', 'positive', 'negative'\]; it needs columns \(messages\).*dataset_text_field",
     ):
         RouterTrainer(model, args=stage2, train_dataset=_pairs(), processing_class=tokenizer)
+    with pytest.raises(
+        TypeError, match=r"needs the model's tokenizer.*built from a config.*processing_class=tokenizer"
+    ):
+        RouterTrainer(model, args=stage2, train_dataset=_texts())  # TRL: a bare hub error for the name ''
 
 
 @pytest.mark.parametrize(

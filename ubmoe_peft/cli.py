@@ -42,7 +42,13 @@ class ModelArgs:
     adapter: str | None = field(
         default=None, metadata={"help": "Folder of a saved UBMoE adapter to load onto the model."}
     )
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16 or float16."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Weights dtype: float32, bfloat16, float16, or auto (the checkpoint's own, as transformers' "
+            "default: e.g. to export a bf16 model in bf16)."
+        },
+    )
     device: str | None = field(default=None, metadata={"help": _DEVICE_HELP})
 
     def __post_init__(self) -> None:  # checked now, not after loading the model
@@ -135,12 +141,9 @@ class ExportArgs:
     def __post_init__(self) -> None:  # checked now, not after loading and merging the model
         if self.target not in ("moe", "bi"):
             raise ValueError(f"--target {self.target!r} is not an export target; use 'moe' or 'bi'.")
-        path = Path(self.output_dir)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise FileExistsError(
-                f"--output_dir {self.output_dir!r} already exists and is not an empty folder (an export never mixes "
-                "its files with others'); choose a new output folder."
-            )
+        from .io import check_new_folder
+
+        check_new_folder(self.output_dir, "--output_dir")  # an export never mixes its files with others'
 
 
 def _adapter_args() -> type:
@@ -181,7 +184,7 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
 
     from .smollm2 import clear_gguf_markers, load_smollm2
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
     if args.dtype not in dtypes:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {list(dtypes)}.")
     if args.adapter is not None:  # before loading the model: a foreign adapter would fail only at its first UBMoE call
@@ -497,7 +500,8 @@ def export(model_args: ModelArgs, args: ExportArgs) -> str:
     with atomic_folder(args.output_dir) as tmp:
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    print(f"Saved a plain {type(merged).__name__} (target {args.target!r}) to {args.output_dir}.")
+    dtype = str(merged.dtype).removeprefix("torch.")  # --dtype's float32 default converts a bf16 checkpoint: say so
+    print(f"Saved a plain {type(merged).__name__} (target {args.target!r}, {dtype}) to {args.output_dir}.")
     return args.output_dir
 
 
@@ -555,6 +559,11 @@ def run(argv: Sequence[str]) -> Any:
     function, classes = COMMANDS[command]
     classes = [c if dataclasses.is_dataclass(c) else c() for c in classes]
     parser = HfArgumentParser(classes, prog=f"ubmoe {command}", description=function.__doc__)
+    from transformers.hf_argparser import string_to_bool
+
+    for action in parser._actions:  # HfArgumentParser makes a `bool | None = None` option (RouterConfig's --bf16)
+        if action.type is string_to_bool and action.nargs is None:  # need a value; bare, it means true as for bools
+            action.nargs, action.const = "?", True
     parsed = parser.parse_args_into_dataclasses(args=rest)
     return function(*parsed)
 

@@ -231,7 +231,7 @@ def _check_turns(messages: list, row: int, spec: str) -> None:
 def _select(rows: Any, task: str, spec: str) -> Any:
     for columns in COLUMNS[task]:
         if set(columns) <= set(rows.column_names):
-            if task == "contrastive" and columns == ("sentence1", "sentence2"):
+            if task == "contrastive":  # also beside anchor/positive or text: select_columns would drop it unseen
                 refuse_graded_pairs(rows.column_names, f"Data {spec!r}")
             return rows.select_columns(list(columns))
     wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])

@@ -50,6 +50,10 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
             "or use merge_and_unload(target='bi')."
         )
     fields = {k: v for k, v in base_config.to_dict().items() if k not in _DROP}
+    if "layer_types" not in AutoConfig.for_model(target).to_dict():
+        # Qwen3's (all full attention here; sliding windows are refused above): Qwen3-MoE does not define it, but
+        # generate reads it and then hands the model one mask per layer type, which its forward cannot take
+        fields.pop("layer_types", None)
     fields.update(num_experts_per_tok=top_k, output_router_logits=False)
     if target == "mixtral":
         fields.update(num_local_experts=2, router_jitter_noise=0.0)

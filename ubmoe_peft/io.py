@@ -3,8 +3,8 @@
 PEFT writes ``adapter_model.safetensors`` with ``safe_save_file`` (imported by name into ``peft.peft_model``) and
 reads it with ``load_peft_weights`` (likewise); it reads ``adapter_config.json`` with ``PeftConfig.from_json_file``
 and ``PeftConfig._get_peft_type``, the latter before it even knows the file is a UBMoE adapter. PEFT has no hook
-for any of these, so `install` swaps those four names and ``PeftModel.save_pretrained`` for the wrappers below when
-ubmoe-peft is imported:
+for any of these, so `install` swaps those four names, ``PeftModel.save_pretrained`` and ``PeftModel.load_adapter`` for
+the wrappers below when ubmoe-peft is imported:
 
 - the weights writer becomes atomic (temp file in the same folder, flush + fsync, ``os.replace``, fsync of the
   folder), so a save killed half-way leaves the previous file intact; this holds for every PEFT method. Recent
@@ -17,7 +17,9 @@ ubmoe-peft is imported:
   (PEFT would ``torch.save`` a pickle in place, which the reader below refuses);
 - the weights reader, for a local UBMoE adapter folder, refuses ``adapter_model.bin`` (a pickle) and turns a
   missing, truncated or corrupted ``adapter_model.safetensors`` into `AdapterFileError`; other methods' adapters
-  are loaded by PEFT's own code unchanged.
+  are loaded by PEFT's own code unchanged;
+- ``PeftModel.load_adapter`` into an existing UBMoE adapter (and ``from_pretrained`` given a ``config=``) refuses a
+  saved adapter of other settings (scaling, routing, experts), whose weights PEFT would run under the existing ones.
 
 All errors raised here subclass ``ValueError`` (see `UBMoEFileError`), so callers can catch one type.
 """
@@ -124,6 +126,28 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, write)
 
 
+def check_new_folder(path: str | os.PathLike, name: str | None = None) -> str:
+    """The real path of ``path`` (a link is followed) after checking that a new folder can be made there: it does not
+    exist or is empty, no part of it is a file, and the folder it goes in is writable. ``name`` (e.g. an option's
+    name) is how errors refer to it; they used to come after a whole export, as a raw error naming a temp folder."""
+    shown = f"{name} {os.fspath(path)!r}" if name else os.fspath(path)
+    path = os.path.realpath(os.fspath(path))
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FileExistsError(
+            f"{shown} already exists and is not an empty folder (its files would mix with the new ones); choose a new "
+            "output folder."
+        )
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{shown} cannot be made: {existing} is a file, not a folder. Choose another output folder.")
+    where = os.path.dirname(path) if existing == path else existing
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"{shown} cannot be made: {where} is not writable. Choose a folder you can write to.")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike):
     """Yield a temp folder beside ``path`` to fill; on success it is renamed to ``path``, on failure removed.
@@ -132,9 +156,7 @@ def atomic_folder(path: str | os.PathLike):
     """
     import shutil
 
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise FileExistsError(f"{path} already exists and is not an empty folder; choose a new output folder.")
+    path = check_new_folder(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
@@ -339,6 +361,39 @@ def _check_settings(saved: str, config_path: str, weights_path: str) -> None:
         )
 
 
+def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_adapter(self: Any, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        # PEFT loads into an adapter of that name as it is, so weights saved with another scaling or routing ran under
+        # the existing adapter's settings, silently (from_pretrained with a config= of other settings did the same).
+        existing = self.peft_config.get(adapter_name)
+        folder = _local_folder(model_id, kwargs.get("subfolder"))
+        if getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None and is_ubmoe_folder(folder):
+            _check_same_settings(existing.to_dict(), os.path.join(folder, CONFIG_NAME), adapter_name)
+        return original(self, model_id, adapter_name, *args, **kwargs)
+
+    load_adapter._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return load_adapter
+
+
+def _check_same_settings(existing: dict[str, Any], config_path: str, adapter_name: str) -> None:
+    """Refuse loading the adapter saved with ``config_path`` into adapter ``adapter_name`` of other settings."""
+
+    def canonical(value: Any) -> Any:  # PEFT may extend modules_to_save in memory (task heads), repeating names
+        return sorted(set(value), key=repr) if isinstance(value, list) else value
+
+    ours, saved = json.loads(settings_json(existing)), json.loads(settings_json(read_json_config(config_path)))
+    differ = [k for k in OUTPUT_SETTINGS if canonical(ours[k]) != canonical(saved[k])]
+    if differ:
+        shown = ", ".join(f"{k}={saved[k]!r} in the file, {ours[k]!r} in the model" for k in differ)
+        raise AdapterMismatchError(
+            f"{config_path} was saved with other settings than the model's adapter {adapter_name!r} it is loaded into "
+            f"({shown}); its weights would run under the model's settings. Nothing was loaded. Load it under a new "
+            f"name (load_adapter(folder, adapter_name='other')), or model.delete_adapter({adapter_name!r}) first; "
+            "PeftModel.from_pretrained takes the saved settings when given no config=."
+        )
+
+
 def _wrap_from_json_file(original: Callable[..., dict]) -> Callable[..., dict]:
     def from_json_file(cls: type, path_json_file: str, **kwargs: Any) -> dict[str, Any]:
         read_json_config(path_json_file)  # raises AdapterFileError naming the file; PEFT then reads it as always
@@ -395,6 +450,8 @@ def install() -> None:
         peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
     if not hasattr(peft_model.PeftModel.save_pretrained, "_ubmoe_wrapped"):
         peft_model.PeftModel.save_pretrained = _wrap_save_pretrained(peft_model.PeftModel.save_pretrained)
+    if not hasattr(peft_model.PeftModel.load_adapter, "_ubmoe_wrapped"):
+        peft_model.PeftModel.load_adapter = _wrap_load_adapter(peft_model.PeftModel.load_adapter)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
         peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
     from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin

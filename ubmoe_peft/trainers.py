@@ -75,6 +75,14 @@ def _check_loss_model(loss: Any, model: nn.Module) -> None:
 
 
 def _require_ubmoe(model: Any, trainer: str) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    if isinstance(model, SentenceTransformer):  # it holds UBMoE layers, and failed deep in training with a TypeError
+        raise TypeError(
+            f"{trainer} takes the PEFT model, not a SentenceTransformer: pass st[0].model for one made by "
+            "to_sentence_transformer. ContrastiveTrainer builds its own SentenceTransformer around it from "
+            "ContrastiveConfig's pooling, prompt and max_length (trainer.sentence_transformer)."
+        )
     if not isinstance(model, nn.Module) or not ubmoe_layers(model):
         raise ValueError(
             f"{trainer} got {type(model).__name__}, which has no UBMoE layers: pass the wrapped model, "
@@ -161,7 +169,11 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     )
     learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate (the paper: 3e-4)."})
     per_device_train_batch_size: int = field(
-        default=64, metadata={"help": "Pairs per batch; each pair's negatives are the batch's other texts."}
+        default=64,
+        metadata={
+            "help": "Pairs per batch; each pair's negatives are the batch's other texts (gradient accumulation does "
+            "not add negatives: use CachedMultipleNegativesRankingLoss for a large batch in little memory)."
+        },
     )
     batch_sampler: BatchSamplers | str = field(
         default=BatchSamplers.NO_DUPLICATES,
@@ -250,6 +262,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                         what = f"ContrastiveTrainer's {role}{f'[{name!r}]' if name else ''}"
                         fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
                         refuse_graded_pairs(columns, what, fix)
+                        _refuse_extra_columns(dataset, columns, what)
             loss = MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
         else:
             _check_loss_model(loss, self.sentence_transformer)
@@ -285,6 +298,26 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             folder = folder / adapter
         check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path)
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
+
+
+def _refuse_extra_columns(dataset: Any, columns: list[str], what: str) -> None:
+    """The in-batch-negatives loss embeds every column (sentence-transformers' rule): a metadata column (a source, an
+    id) became one more hard negative, and a constant one made the no-duplicates sampler yield batches of one row."""
+    features = getattr(dataset, "features", None) or {}
+    kinds = {c: getattr(features.get(c), "dtype", None) for c in columns}
+    not_text = [c for c, kind in kinds.items() if kind is not None and kind not in ("string", "large_string")]
+    if not_text or len(columns) > 3:
+        problem = (
+            f"column {not_text[0]!r} holds {kinds[not_text[0]]}, not text"
+            if not_text
+            else f"{len(columns)} columns, more than anchor, positive and one hard negative"
+        )
+        raise ValueError(
+            f"{what} has columns {columns}: {problem}. The default in-batch-negatives loss embeds every column, the "
+            "third and later ones as hard negatives. Keep the text columns: dataset.select_columns(['anchor', "
+            "'positive'(, 'negative')]) (with your names). For several hard negatives pass the loss yourself: "
+            "loss=lambda st: MultipleNegativesRankingLoss(st, scale=20)."
+        )
 
 
 def _encoder_path(checkpoint: str) -> str:
@@ -339,7 +372,8 @@ class RouterTrainer(SFTTrainer):
 
     Takes what `SFTTrainer` takes (chat ``messages``, prompt/completion or ``text`` datasets) except ``peft_config``:
     the model is already a UBMoE model. Logs ``bi_share``, the mean share of tokens routed to the bidirectional
-    expert over the layers, averaged over the logging interval.
+    expert over the layers, averaged over the logging interval's forwards (micro-batches), each counted alike, as
+    TRL averages its own per-batch metrics.
     """
 
     def __init__(self, model: nn.Module, args: RouterConfig | None = None, **kwargs: Any) -> None:
@@ -356,6 +390,11 @@ class RouterTrainer(SFTTrainer):
             needs = [("messages",), ("prompt", "completion"), ("text",), ("input_ids",)]
             hint = " A column of plain texts under another name: RouterConfig(dataset_text_field=name)."
             _check_dataset(kwargs.get("train_dataset"), "RouterTrainer", needs, hint)
+        if kwargs.get("processing_class") is None and not getattr(getattr(model, "config", None), "_name_or_path", ""):
+            raise TypeError(  # TRL would load a tokenizer by the model's name: a bare hub error for a model built here
+                "RouterTrainer needs the model's tokenizer, since this model has no name to load one by (it was "
+                "built from a config): RouterTrainer(model, args, train_dataset=..., processing_class=tokenizer)."
+            )
         set_stage(model, "router")
         super().__init__(model=model, args=args, **kwargs)
         # On a quantized base TRL casts every trainable parameter to bf16 (its QLoRA recipe). The routers keep

@@ -120,9 +120,8 @@ def _dequantize_8bit(module: nn.Linear) -> torch.Tensor:
 
 def _compute_dtype_8bit(module: nn.Linear) -> torch.dtype:
     # LLM.int8() has no compute dtype of its own (it returns the input's dtype); a trainable copy in fp16 would need
-    # loss scaling, so copies of 8-bit layers are fp32 unless the layer keeps a float bias of another dtype.
-    bias = module.bias
-    return bias.dtype if bias is not None and bias.dtype.is_floating_point else torch.float32
+    # loss scaling, so copies of 8-bit layers are fp32 (also beside an fp16 bias, which the copy then holds in fp32).
+    return torch.float32
 
 
 # ---- plain layers ---------------------------------------------------------------------------------------------------

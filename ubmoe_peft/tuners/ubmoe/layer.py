@@ -117,9 +117,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             projections = selected_projections(self.base_layer, config)
             a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
             for name, proj in projections.items():
-                dtype = torch.float64 if proj.weight.dtype == torch.float64 else torch.float32
                 # B = 0: the bi expert starts as the original FFN
-                a_dict[_module_key(name)], b_dict[_module_key(name)] = _lora_pair(proj, config.r, device, dtype)
+                a_dict[_module_key(name)], b_dict[_module_key(name)] = _lora_pair(proj, config.r, device)
             self.ubmoe_lora_A[adapter_name], self.ubmoe_lora_B[adapter_name] = a_dict, b_dict
             self.ubmoe_dropout[adapter_name] = nn.Dropout(config.lora_dropout) if config.lora_dropout else nn.Identity()
             self.scaling[adapter_name] = config.scaling
@@ -147,6 +146,11 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 del getattr(self, name)[adapter_name]
         self._plans.pop(adapter_name, None)
 
+    def delete_adapter(self, adapter_name: str) -> None:
+        # A decode plan holds the adapter's modules: PEFT's deletion would leave them (a copy expert's whole FFN) alive.
+        self._plans.pop(adapter_name, None)
+        super().delete_adapter(adapter_name)
+
     def _add_attention_adapter(self, adapter_name: str, config: UBMoEConfig, device: torch.device) -> None:
         """LoRA on every linear layer of the decoder layer's attention, used only in mode bi (see `_attention_on`)."""
         if self._attention is None:
@@ -158,7 +162,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         a_dict, b_dict = nn.ModuleDict(), nn.ModuleDict()
         for name, proj in linear_projections(self._attention).items():
             # B = 0: mode bi starts as the base attention, made bidirectional
-            pair = _lora_pair(proj, config.attention_r, device, torch.float32)
+            pair = _lora_pair(proj, config.attention_r, device)
             a_dict[_module_key(name)], b_dict[_module_key(name)] = pair
         self.ubmoe_attn_A[adapter_name], self.ubmoe_attn_B[adapter_name] = a_dict, b_dict
         self.attention_scaling[adapter_name] = config.lora_scaling(config.attention_r)

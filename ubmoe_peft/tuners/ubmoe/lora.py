@@ -41,8 +41,10 @@ def _dropout_while_trained(dropout: nn.Module, lora_a: torch.Tensor) -> nn.Modul
     return dropout if dropout.training and lora_a.requires_grad else _NO_DROPOUT
 
 
-def _lora_pair(proj: nn.Module, r: int, device: torch.device, dtype: torch.dtype) -> tuple[nn.Linear, nn.Linear]:
-    """LoRA's A (r, C_in), initialised as PEFT's LoRA, and B (C_out, r), zero and `column_major`, for ``proj``."""
+def _lora_pair(proj: nn.Module, r: int, device: torch.device) -> tuple[nn.Linear, nn.Linear]:
+    """LoRA's A (r, C_in), initialised as PEFT's LoRA, and B (C_out, r), zero and `column_major`, for ``proj``: in
+    fp32 (fp64 on an fp64 base, whose merges then keep its precision), whatever the base's compute dtype."""
+    dtype = torch.float64 if getattr(proj.weight, "dtype", None) == torch.float64 else torch.float32
     a = nn.Linear(proj.in_features, r, bias=False, device=device, dtype=dtype)
     nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # as PEFT's LoRA
     b = nn.Linear(r, proj.out_features, bias=False, device=device, dtype=dtype)

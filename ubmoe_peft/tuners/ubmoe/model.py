@@ -25,7 +25,7 @@ from ...architectures import (
 )
 from ...export import export_moe, saved_module
 from ...io import AdapterMismatchError
-from .bnb import prepare_quantized_base
+from .bnb import ComputeDtypeLinear, prepare_quantized_base
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported, selected_projections
 from .lora import column_major
@@ -65,6 +65,7 @@ class UBMoEModel(BaseTuner):
     target_module_mapping = {model_type: [name] for model_type, name in FFN_MODULES.items()}
 
     def __init__(self, model, config, adapter_name, low_cpu_mem_usage: bool = False, state_dict=None) -> None:
+        _refuse_other_tuners(model)  # before PEFT's __init__ writes our config into a wrapped model's shared dict
         # The layers created during super().__init__ share this object, so it must exist before injection.
         object.__setattr__(self, "_ubmoe_state", ModeState())
         object.__setattr__(self, "_ubmoe_hooks", [])
@@ -167,6 +168,7 @@ class UBMoEModel(BaseTuner):
             model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
         )
         check_checkpoint(model, config, adapter_name, remapped)
+        _widen_quantized_copies(model, remapped)
         # B in its fast layout also where PEFT assigns the loaded tensors instead of copying them (low_cpu_mem_usage)
         return {key: column_major(v) if _LORA_B.search(key) else v for key, v in remapped.items()}
 
@@ -486,14 +488,14 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
     own = re.compile(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)))
     saved_copy = re.compile(rf"\.modules_to_save\.{re.escape(adapter_name)}\.")  # PEFT's copies (modules_to_save)
     expected = {k: v.shape for k, v in model.state_dict().items() if own.search(k) or saved_copy.search(k)}
-    given = dict(state_dict)  # a UBMoE file holds the adapter's tensors and nothing else
-    unexpected = sorted(k for k in given if k not in expected)
+    # PEFT adds the base's embeddings to a save when they were resized (save_embedding_layers) and loads them back
+    optional = {k: v for k, v in _embedding_shapes(model).items() if k not in expected}
+    given = dict(state_dict)  # a UBMoE file holds the adapter's tensors (and those embeddings) and nothing else
+    unexpected = sorted(k for k in given if k not in expected and k not in optional)
     missing = sorted(k for k in expected if k not in given)
-    wrong = [
-        f"{k}: {tuple(v.shape)} in the file, {tuple(expected[k])} in the model"
-        for k, v in given.items()
-        if k in expected and tuple(v.shape) != tuple(expected[k])
-    ]
+    shapes = {**optional, **expected}
+    misfits = [k for k, v in given.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])]
+    wrong = [f"{k}: {tuple(given[k].shape)} in the file, {tuple(shapes[k])} in the model" for k in misfits]
     problems = []
     if wrong:
         problems.append(f"{len(wrong)} tensors differ in shape (e.g. {wrong[0]}).")
@@ -503,12 +505,12 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
         problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
     if problems and signature_differences(config.base_model_signature, base_signature(model)):
         raise _mismatch(config, model, " ".join(problems))
-    if wrong and all(".modules_to_save." in k for k in wrong):  # e.g. a head or embeddings of another vocabulary
+    if misfits and all(".modules_to_save." in k or k in optional for k in misfits):  # e.g. another vocabulary
         raise AdapterMismatchError(
-            f"The adapter's trained copies of base modules (modules_to_save={config.modules_to_save}) do not fit the "
-            f"model's: {' '.join(problems)} The base differs from the one the adapter was trained on, e.g. in "
-            "vocabulary size. Load the adapter onto that base (or resize this one's token embeddings to the saved "
-            "size first, model.resize_token_embeddings(n))."
+            f"The adapter's trained copies of base modules (modules_to_save={config.modules_to_save}) or the "
+            f"embeddings saved with it do not fit the model's: {' '.join(problems)} The base differs from the one "
+            "the adapter was trained on, e.g. in vocabulary size. Load the adapter onto that base (or resize this "
+            "one's token embeddings to the saved size first, model.resize_token_embeddings(n))."
         )
     if problems:  # the right base: the weights were saved by an adapter of other settings (or the file was edited)
         settings = ", ".join(
@@ -525,6 +527,46 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
             f"The adapter weights hold NaN or inf values (e.g. {bad[0]}), so the file is corrupted or was saved "
             "from a diverged run. Save a healthy checkpoint again with model.save_pretrained(folder)."
         )
+
+
+def _widen_quantized_copies(model: nn.Module, state_dict: dict) -> None:
+    """A copy expert of a quantized FFN is built in the compute dtype (bf16, say); one that trained wider
+    (prepare_model_for_kbit_training upcasts it to fp32) was rounded to the built dtype when loaded back, silently.
+    Its layers take inputs of any dtype, so they take the saved tensors' dtype where that is wider."""
+    for name, module in model.named_modules():
+        if isinstance(module, ComputeDtypeLinear):
+            for key, param in module.named_parameters(recurse=False):
+                saved = state_dict.get(f"{name}.{key}")
+                if saved is not None and saved.is_floating_point() and saved.dtype.itemsize > param.dtype.itemsize:
+                    param.data = param.data.to(saved.dtype)
+
+
+def _refuse_other_tuners(model: nn.Module) -> None:
+    """Another PEFT method's layers in the base (a LoRA model wrapped again) were taken for FFN projections: the
+    experts adapted or copied LoRA's own modules, the save held the LoRA's tensors and loaded nowhere, and the LoRA
+    model's shared ``peft_config`` entry was overwritten by ours."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    foreign = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not isinstance(m, UBMoELayer)
+    ]
+    if foreign:
+        name, layer = foreign[0]
+        kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
+        raise ValueError(
+            f"The model already holds {len(foreign)} layers of another PEFT method (e.g. {name!r}, a {kind}), so UBMoE "
+            "cannot be added to it: its experts would take that method's modules for FFN projections and its saves "
+            "could not be loaded back. Merge the other adapter into the base first (base = peft_model."
+            "merge_and_unload()), or start from a fresh base model."
+        )
+
+
+def _embedding_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The state-dict shapes of ``model``'s input and output embeddings (with a PEFT wrapper's entries, if any)."""
+    layers = [getattr(model, f, lambda: None)() for f in ("get_input_embeddings", "get_output_embeddings")]
+    ids = {id(layer) for layer in layers if layer is not None}
+    prefixes = tuple(f"{name}." for name, module in model.named_modules() if id(module) in ids)
+    return {k: v.shape for k, v in model.state_dict().items() if prefixes and k.startswith(prefixes)}
 
 
 def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
