@@ -53,8 +53,12 @@ def test_mode_bi_depends_on_later_tokens_and_matches_a_manual_count(model, token
 
 
 def test_bad_texts_are_refused(model, tokenizer):
-    with pytest.raises(ValueError, match="non-empty list"):
+    with pytest.raises(TypeError, match="texts must be a list of texts or rows, got str"):
         attention_dependence(model, tokenizer, "one string")
+    with pytest.raises(TypeError, match="texts must be a list .*, got generator"):  # a bare len() error
+        attention_dependence(model, tokenizer, (t for t in [w(5, 6)]))
+    with pytest.raises(ValueError, match="non-empty list"):
+        attention_dependence(model, tokenizer, [])
     with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got NoneType"):
         attention_dependence(model, None, [w(5, 6)])
 

@@ -264,6 +264,31 @@ def test_lm_loss_takes_a_dataset_like_a_list(model, tokenizer):
     assert lm_loss(model, tokenizer, as_dataset, mode="uni") == lm_loss(model, tokenizer, rows, mode="uni")
     with pytest.raises(TypeError, match="examples must be a list of texts or rows, got generator"):
         lm_loss(model, tokenizer, (row for row in rows))
+    row = {"question": w(5), "choices": [w(6), w(7)], "label": 0}  # a dict iterates over its keys: "Row 0 lacks ..."
+    with pytest.raises(TypeError, match="rows must be a list of texts or rows, got dict .*wrap a single example"):
+        multiple_choice_accuracy(model, tokenizer, row)
+
+
+def test_an_empty_prompt_scores_every_completion_token(model, tokenizer):
+    """With nothing before it, the completion's first token was never scored (3 of 4 tokens); as lm-evaluation-harness
+    does, it is scored after the end-of-text token."""
+    completion = w(7, 8, 9)
+    for prompt in ("", " ", "\n"):  # whitespace moves to the completion: every token of the row is scored
+        expected = len(tokenizer(prompt + completion, add_special_tokens=False)["input_ids"])
+        row = {"prompt": prompt, "completion": completion}
+        assert lm_loss(model, tokenizer, [row], mode="uni")["tokens"] == expected, repr(prompt)
+
+
+def test_inputs_over_max_length_are_counted_in_a_warning(model, tokenizer):
+    """eval-lm's default --max_length 256 cut 13 of 100 SFT chats from the left, unannounced: the loss moved by 2%."""
+    rows = [{"prompt": w(*range(5, 25)), "completion": w(30, 31, 32)}, {"prompt": w(5), "completion": w(6)}]
+    with pytest.warns(UserWarning, match=r"1 of 2 examples are longer than max_length=8 tokens .* Raise max_length"):
+        lm_loss(model, tokenizer, rows, mode="uni", max_length=8)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lm_loss(model, tokenizer, rows, mode="uni", max_length=64)  # no warning when everything fits
 
 
 def test_csv_cells_spelling_na_or_null_are_texts_not_missing(tmp_path):

@@ -97,7 +97,13 @@ class EvalArgs:
         default=None, metadata={"help": "Modes to evaluate, among uni, bi, moe. Default depends on the command."}
     )
     batch_size: int = field(default=8, metadata={"help": "Texts per forward."})
-    max_length: int = field(default=256, metadata={"help": "Longest input in tokens."})
+    max_length: int = field(
+        default=256,
+        metadata={
+            "help": "Longest input in tokens: eval-lm cuts the left end of a longer one (and warns), dependence and "
+            "eval-sts the end of the text (eval-sts keeps the prompt template's end)."
+        },
+    )
     output: str | None = field(default=None, metadata={"help": "Also write the results as JSON to this file."})
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .architectures import text_config
-from .evaluation import _evaluating, check_sizes, check_tokenizer, input_device
+from .evaluation import _evaluating, check_collection, check_sizes, check_tokenizer, input_device
 from .modes import use_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -64,7 +64,8 @@ def attention_dependence(
     max_length: int = 256,
 ) -> DependenceResult:
     """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers."""
-    if isinstance(texts, str) or not texts:
+    check_collection(texts, "texts")  # a generator failed on len() with a bare TypeError
+    if not texts:
         raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}.")
     blank = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
     if blank:

@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -177,6 +178,14 @@ def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[li
     context = tokenizer(prompt)["input_ids"]
     if len(context) > 1 and _appended_eos(tokenizer, prompt, context):  # not one the prompt ends with
         context = context[:-1]
+    if not context:  # nothing to condition the first completion token on: as lm-evaluation-harness, end-of-text
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if start is None:
+            raise ValueError(
+                "The prompt is empty, and the tokenizer has neither a BOS nor an EOS token to put before the "
+                "completion: its first token could not be scored. Give a prompt, or score the row as a text."
+            )
+        return [start], tokenizer(completion, add_special_tokens=False)["input_ids"]
     whole = tokenizer(prompt + completion)["input_ids"]
     if whole[: len(context)] == context:
         return context, whole[len(context) :]
@@ -205,7 +214,18 @@ def input_device(model: nn.Module) -> torch.device:
 def _continuation_logprobs(
     model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int, max_length: int
 ) -> list[tuple[float, int]]:
-    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end."""
+    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end, with a
+    warning that counts them (they used to shift the loss unannounced)."""
+    long = [(ctx, cont) for ctx, cont in pairs if len(ctx) + len(cont) > max_length]
+    if long:
+        lost = sum(len(cont) - max(0, min(len(cont), max_length - 1)) for _, cont in long)
+        total = sum(len(cont) for _, cont in pairs)
+        warnings.warn(
+            f"{len(long)} of {len(pairs)} examples are longer than max_length={max_length} tokens and lose their left "
+            f"end: their scored tokens see less context, and {lost} of {total} tokens to score are cut. Raise "
+            "max_length (--max_length on the command line) to score them whole.",
+            stacklevel=4,
+        )
     device = input_device(model)
     out: list[tuple[float, int]] = []
     for start in range(0, len(pairs), batch_size):
@@ -268,11 +288,7 @@ def lm_loss(
     Scored: every token but the first of a text; the completion of a prompt/completion row (every completion turn
     of TRL's conversational rows, lists of turns); the last turn of a chat. ``examples`` may be a datasets.Dataset.
     """
-    if isinstance(examples, (str, dict)) or not isinstance(examples, Iterable) or not hasattr(examples, "__len__"):
-        raise TypeError(
-            f"examples must be a list of texts or rows, got {type(examples).__name__} {str(examples)[:60]!r}; wrap "
-            "a single example in a list (a datasets.Dataset or another sized collection of rows is taken as it is)."
-        )
+    check_collection(examples, "examples")
     examples = list(examples)  # a datasets.Dataset gives its rows as dicts
     if not examples:
         raise ValueError("lm_loss needs at least one example.")
@@ -309,6 +325,7 @@ def multiple_choice_accuracy(
     choice's length in characters, as lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and
     the 0-based ``label``. As in the harness, each choice is scored as " " + choice without an end-of-text token a
     tokenizer appends."""
+    check_collection(rows, "rows")
     check_sizes(batch_size, max_length)
     appends_eos = _appended_eos(tokenizer, "a", tokenizer("a")["input_ids"])
     pairs, spans, lengths = [], [], []
@@ -353,6 +370,15 @@ def multiple_choice_accuracy(
         right_norm += max(range(count), key=norms.__getitem__) == label
     n = len(spans)
     return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": n}
+
+
+def check_collection(items: Any, name: str) -> None:
+    """A list of examples, not one example: a dict iterates over its keys and a string over its characters."""
+    if isinstance(items, (str, dict)) or not isinstance(items, Iterable) or not hasattr(items, "__len__"):
+        raise TypeError(
+            f"{name} must be a list of texts or rows, got {type(items).__name__} {str(items)[:60]!r}; wrap a single "
+            "example in a list (a datasets.Dataset or another sized collection of rows is taken as it is)."
+        )
 
 
 def _label(row: int, label: Any, count: int) -> int:
