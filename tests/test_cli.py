@@ -69,6 +69,16 @@ def test_training_help_names_the_default_output_folder(capsys, command, folder, 
     assert getattr(ubmoe_peft.trainers, config)().output_dir == folder  # what the command saves to
 
 
+def test_text_only_contrastive_data_may_carry_a_label(tmp_path):
+    """Each text is paired with itself (SimCSE), so a class label does not decide any positive: such data trains,
+    while a label beside anchor/positive is refused (test_bad_input_is_named_with_the_fix)."""
+    path = tmp_path / "classified.jsonl"
+    path.write_text("".join(json.dumps({"text": w(i, i + 1), "label": i % 3}) + "\n" for i in range(3, 9)))
+    from ubmoe_peft.data import load_rows
+
+    assert load_rows(str(path), "contrastive").column_names == ["text"]
+
+
 def test_an_optional_bool_option_is_a_bare_flag(monkeypatch):
     """RouterConfig's bf16 defaults to None (on where CUDA supports it), so transformers' parser made `--bf16` need a
     value: `ubmoe train-router --bf16` exited 2, while train-contrastive's and TRL's `--bf16` stand alone."""
@@ -300,7 +310,6 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["eval-sts", "--data", "{bad}/nan.tsv"], ValueError, "nan.tsv': row 1 .* has the score nan; gold scores"),
         # a label beside anchor/positive (or a score beside texts) was dropped unseen, and every pair trained
         (["train-contrastive", "--data", "{bad}/labelled.jsonl"], ValueError, "pairs with a 'label'.*as a positive"),
-        (["train-contrastive", "--data", "{bad}/scored_texts.jsonl"], ValueError, "with a 'score'.*as a positive"),
         (["train-contrastive", "--data", "{bad}/no_negative.jsonl"], ValueError, "row 1 .* empty 'negative'"),
         (["train-contrastive", "--data", "{bad}/number.jsonl"], ValueError, "row 0 .* int 3 in 'positive', which"),
         (["eval-sts", "--data", "{bad}/mixed"], ValueError, "mixed': 'a.jsonl' and 'b.jsonl' differ in columns"),
@@ -352,7 +361,6 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     rows = [{"anchor": w(3), "positive": w(4), "negative": w(5)}, {"anchor": w(6), "positive": w(7)}]
     (bad / "no_negative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bad / "labelled.jsonl").write_text(json.dumps({"anchor": w(3), "positive": w(4), "label": 2}) + "\n")
-    (bad / "scored_texts.jsonl").write_text(json.dumps({"text": w(3), "score": 0.5}) + "\n")
     (bad / "number.jsonl").write_text(json.dumps({"anchor": w(3), "positive": 3, "negative": w(5)}) + "\n")
     (bad / "mixed").mkdir()  # a folder of two files with other columns
     (bad / "mixed" / "a.jsonl").write_text(json.dumps({"sentence1": w(3), "sentence2": w(4), "score": 1.0}) + "\n")

@@ -355,6 +355,33 @@ def test_loading_into_an_adapter_of_other_settings_is_refused(tmp_path, saved_wi
     torch.testing.assert_close(logits(model.eval(), ids), expected, rtol=0, atol=0)
 
 
+def test_an_adapter_config_without_newer_settings_loads_as_before(saved, monkeypatch):
+    """A release's adapter_config.json lacks the settings added later (attention_r) and older files lack the weights'
+    settings metadata: from_pretrained without config= compared the bare file with the defaults filled in and refused
+    it. An equal config= loads too. And a model whose get_input_embeddings raises (transformers' fallback for a custom
+    name) still loads."""
+    folder, expected = saved
+    save_file(load_file(folder / "adapter_model.safetensors"), folder / "adapter_model.safetensors")  # no metadata
+    config = json.loads((folder / "adapter_config.json").read_text())
+    for key in ("attention_r", "router_dtype", "top_k", "use_rslora"):
+        config.pop(key)
+    config["layers_to_transform"] = None
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    ids = torch.arange(10).view(1, 10)
+    loaded = peft.PeftModel.from_pretrained(tiny(), folder).eval()
+    torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
+    equal = ubmoe_peft.UBMoEConfig(**{k: v for k, v in config.items() if k in ("r", "lora_alpha", "lora_dropout")})
+    peft.PeftModel.from_pretrained(tiny(), folder, config=equal)
+
+    def no_embeddings(self):
+        raise NotImplementedError("`get_input_embeddings` not auto-handled for LlamaForCausalLM")
+
+    monkeypatch.setattr(LlamaForCausalLM, "get_input_embeddings", no_embeddings)
+    torch.testing.assert_close(
+        logits(peft.PeftModel.from_pretrained(tiny(), folder).eval(), ids), expected, rtol=0, atol=0
+    )
+
+
 def test_a_folder_of_named_adapters_points_to_them(tmp_path):
     """save_pretrained puts an adapter not named 'default' in a subfolder; loading the folder itself names them."""
     model = peft.get_peft_model(tiny(), ubmoe_peft.UBMoEConfig(), adapter_name="mine")

@@ -231,8 +231,8 @@ def _check_turns(messages: list, row: int, spec: str) -> None:
 def _select(rows: Any, task: str, spec: str) -> Any:
     for columns in COLUMNS[task]:
         if set(columns) <= set(rows.column_names):
-            if task == "contrastive":  # also beside anchor/positive or text: select_columns would drop it unseen
-                refuse_graded_pairs(rows.column_names, f"Data {spec!r}")
+            if task == "contrastive" and columns != ("text",):  # a text paired with itself: a label does not matter
+                refuse_graded_pairs(rows.column_names, f"Data {spec!r}")  # select_columns would drop it unseen
             return rows.select_columns(list(columns))
     wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])
     raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.")

@@ -214,18 +214,7 @@ def input_device(model: nn.Module) -> torch.device:
 def _continuation_logprobs(
     model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int, max_length: int
 ) -> list[tuple[float, int]]:
-    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end, with a
-    warning that counts them (they used to shift the loss unannounced)."""
-    long = [(ctx, cont) for ctx, cont in pairs if len(ctx) + len(cont) > max_length]
-    if long:
-        lost = sum(len(cont) - max(0, min(len(cont), max_length - 1)) for _, cont in long)
-        total = sum(len(cont) for _, cont in pairs)
-        warnings.warn(
-            f"{len(long)} of {len(pairs)} examples are longer than max_length={max_length} tokens and lose their left "
-            f"end: their scored tokens see less context, and {lost} of {total} tokens to score are cut. Raise "
-            "max_length (--max_length on the command line) to score them whole.",
-            stacklevel=4,
-        )
+    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end."""
     device = input_device(model)
     out: list[tuple[float, int]] = []
     for start in range(0, len(pairs), batch_size):
@@ -305,6 +294,7 @@ def lm_loss(
             f"Example {empty[0]} ({examples[empty[0]]!r}) has no tokens ({len(empty)} such examples): drop empty texts "
             "(a blank line of a text file is one)."
         )
+    _warn_if_cut(pairs, list(range(len(pairs))), max_length, "examples")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     tokens = sum(n for _, n in scored)
     if tokens == 0:
@@ -325,7 +315,7 @@ def multiple_choice_accuracy(
     choice's length in characters, as lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and
     the 0-based ``label``. As in the harness, each choice is scored as " " + choice without an end-of-text token a
     tokenizer appends."""
-    check_collection(rows, "rows")
+    check_collection(rows, "rows", sized=False)  # one row (a dict) would be read as its keys
     check_sizes(batch_size, max_length)
     appends_eos = _appended_eos(tokenizer, "a", tokenizer("a")["input_ids"])
     pairs, spans, lengths = [], [], []
@@ -355,6 +345,7 @@ def multiple_choice_accuracy(
             lengths.append(len(choice))
     if not spans:
         raise ValueError("multiple_choice_accuracy needs at least one row.")
+    _warn_if_cut(pairs, [row for row, (_, count, _) in enumerate(spans) for _ in range(count)], max_length, "rows")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     right = right_norm = 0
     for row, (first, count, label) in enumerate(spans):
@@ -372,9 +363,25 @@ def multiple_choice_accuracy(
     return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": n}
 
 
-def check_collection(items: Any, name: str) -> None:
-    """A list of examples, not one example: a dict iterates over its keys and a string over its characters."""
-    if isinstance(items, (str, dict)) or not isinstance(items, Iterable) or not hasattr(items, "__len__"):
+def _warn_if_cut(pairs: list, owners: list[int], max_length: int, what: str) -> None:
+    """Warn, counting them, of the examples (``owners[i]``: the example of pair i) longer than ``max_length``: they lose
+    their left end (`_continuation_logprobs`), which used to shift the scores unannounced."""
+    long = [i for i, (ctx, cont) in enumerate(pairs) if len(ctx) + len(cont) > max_length]
+    if long:
+        lost = sum(len(pairs[i][1]) - max(0, min(len(pairs[i][1]), max_length - 1)) for i in long)
+        total = sum(len(cont) for _, cont in pairs)
+        warnings.warn(
+            f"{len({owners[i] for i in long})} of {len(set(owners))} {what} are longer than max_length={max_length} "
+            f"tokens and lose their left end: their scored tokens see less context, and {lost} of {total} tokens to "
+            "score are cut. Raise max_length (--max_length on the command line) to score them whole.",
+            stacklevel=3,  # the caller of lm_loss / multiple_choice_accuracy
+        )
+
+
+def check_collection(items: Any, name: str, sized: bool = True) -> None:
+    """A list of examples, not one example: a dict iterates over its keys and a string over its characters. With
+    ``sized``, a collection with a length (not a generator)."""
+    if isinstance(items, (str, dict)) or not isinstance(items, Iterable) or (sized and not hasattr(items, "__len__")):
         raise TypeError(
             f"{name} must be a list of texts or rows, got {type(items).__name__} {str(items)[:60]!r}; wrap a single "
             "example in a list (a datasets.Dataset or another sized collection of rows is taken as it is)."

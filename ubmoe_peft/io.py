@@ -50,6 +50,7 @@ OUTPUT_SETTINGS = (
     "router_dtype", "layers_to_transform", "modules_to_save",
 )  # fmt: skip
 _PENDING_SETTINGS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("ubmoe_pending_settings")
+_OWN_CONFIG: contextvars.ContextVar[bool] = contextvars.ContextVar("ubmoe_own_config")  # from_pretrained, no config=
 
 
 def settings_json(config: dict[str, Any]) -> str:
@@ -361,29 +362,63 @@ def _check_settings(saved: str, config_path: str, weights_path: str) -> None:
         )
 
 
+def _wrap_from_pretrained(original: Any) -> Any:
+    def from_pretrained(cls: type, model: Any, model_id: Any, *args: Any, **kwargs: Any) -> Any:
+        # Without config=, PEFT builds the adapter from the folder's own config: there is nothing to compare (files
+        # saved before a setting existed would differ from the defaults filled in, and load fine)
+        config = args[2] if len(args) > 2 else kwargs.get("config")  # after adapter_name and is_trainable
+        token = _OWN_CONFIG.set(config is None)
+        try:
+            return original.__func__(cls, model, model_id, *args, **kwargs)
+        finally:
+            _OWN_CONFIG.reset(token)
+
+    wrapped = classmethod(from_pretrained)
+    wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return wrapped
+
+
 def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_adapter(self: Any, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         # PEFT loads into an adapter of that name as it is, so weights saved with another scaling or routing ran under
         # the existing adapter's settings, silently (from_pretrained with a config= of other settings did the same).
-        existing = self.peft_config.get(adapter_name)
-        folder = _local_folder(model_id, kwargs.get("subfolder"))
-        if getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None and is_ubmoe_folder(folder):
-            _check_same_settings(existing.to_dict(), os.path.join(folder, CONFIG_NAME), adapter_name)
-        return original(self, model_id, adapter_name, *args, **kwargs)
+        own_config, token = (
+            _OWN_CONFIG.get(False),
+            _OWN_CONFIG.set(False),
+        )  # only the outermost load is from_pretrained's
+        try:
+            existing = self.peft_config.get(adapter_name)
+            folder = _local_folder(model_id, kwargs.get("subfolder"))
+            ubmoe = (
+                getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None and is_ubmoe_folder(folder)
+            )
+            if ubmoe and not own_config:
+                _check_same_settings(existing, folder, adapter_name)
+            return original(self, model_id, adapter_name, *args, **kwargs)
+        finally:
+            _OWN_CONFIG.reset(token)
 
     load_adapter._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return load_adapter
 
 
-def _check_same_settings(existing: dict[str, Any], config_path: str, adapter_name: str) -> None:
-    """Refuse loading the adapter saved with ``config_path`` into adapter ``adapter_name`` of other settings."""
+def _check_same_settings(existing: Any, folder: str, adapter_name: str) -> None:
+    """Refuse loading the adapter saved in ``folder`` into adapter ``adapter_name`` (config ``existing``) of other
+    settings. Both are compared as config objects, with their defaults filled in the same way."""
+    config_path = os.path.join(folder, CONFIG_NAME)
+    read_json_config(config_path)  # a damaged file is named as such
 
     def canonical(value: Any) -> Any:  # PEFT may extend modules_to_save in memory (task heads), repeating names
         return sorted(set(value), key=repr) if isinstance(value, list) else value
 
-    ours, saved = json.loads(settings_json(existing)), json.loads(settings_json(read_json_config(config_path)))
-    differ = [k for k in OUTPUT_SETTINGS if canonical(ours[k]) != canonical(saved[k])]
+    ours = json.loads(settings_json(existing.to_dict()))
+    saved = json.loads(settings_json(type(existing).from_pretrained(folder).to_dict()))
+    differ = [
+        k
+        for k in OUTPUT_SETTINGS
+        if canonical(ours[k]) != canonical(saved[k]) and not (k == "target_modules" and saved[k] is None)
+    ]  # no target_modules: the architecture's FFN, which the model's adapter names once wrapped
     if differ:
         shown = ", ".join(f"{k}={saved[k]!r} in the file, {ours[k]!r} in the model" for k in differ)
         raise AdapterMismatchError(
@@ -450,6 +485,9 @@ def install() -> None:
         peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
     if not hasattr(peft_model.PeftModel.save_pretrained, "_ubmoe_wrapped"):
         peft_model.PeftModel.save_pretrained = _wrap_save_pretrained(peft_model.PeftModel.save_pretrained)
+    from_pretrained = inspect.getattr_static(peft_model.PeftModel, "from_pretrained")  # a classmethod
+    if not hasattr(from_pretrained.__func__, "_ubmoe_wrapped"):
+        peft_model.PeftModel.from_pretrained = _wrap_from_pretrained(from_pretrained)
     if not hasattr(peft_model.PeftModel.load_adapter, "_ubmoe_wrapped"):
         peft_model.PeftModel.load_adapter = _wrap_load_adapter(peft_model.PeftModel.load_adapter)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):

@@ -13,6 +13,7 @@ Nothing here is a training loop of our own: the trainers only put the model in i
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,22 +302,28 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
 
 
 def _refuse_extra_columns(dataset: Any, columns: list[str], what: str) -> None:
-    """The in-batch-negatives loss embeds every column (sentence-transformers' rule): a metadata column (a source, an
-    id) became one more hard negative, and a constant one made the no-duplicates sampler yield batches of one row."""
+    """The in-batch-negatives loss embeds every column (sentence-transformers' rule): a number failed deep in the
+    tokenizer without naming its column, and a metadata column (a source) became one more hard negative, silently (a
+    constant one made the no-duplicates sampler yield batches of one row). More than three text columns can be real
+    hard negatives, so those are named in a warning."""
     features = getattr(dataset, "features", None) or {}
     kinds = {c: getattr(features.get(c), "dtype", None) for c in columns}
-    not_text = [c for c, kind in kinds.items() if kind is not None and kind not in ("string", "large_string")]
-    if not_text or len(columns) > 3:
-        problem = (
-            f"column {not_text[0]!r} holds {kinds[not_text[0]]}, not text"
-            if not_text
-            else f"{len(columns)} columns, more than anchor, positive and one hard negative"
-        )
+    not_text = [
+        c for c, kind in kinds.items() if kind is not None and kind not in ("string", "large_string", "string_view")
+    ]
+    keep = "dataset.select_columns(['anchor', 'positive'(, 'negative')]) (with your names)"
+    if not_text:
         raise ValueError(
-            f"{what} has columns {columns}: {problem}. The default in-batch-negatives loss embeds every column, the "
-            "third and later ones as hard negatives. Keep the text columns: dataset.select_columns(['anchor', "
-            "'positive'(, 'negative')]) (with your names). For several hard negatives pass the loss yourself: "
-            "loss=lambda st: MultipleNegativesRankingLoss(st, scale=20)."
+            f"{what} has columns {columns}: column {not_text[0]!r} holds {kinds[not_text[0]]}, not text. The default "
+            f"in-batch-negatives loss embeds every column, the third and later ones as hard negatives. Keep the text "
+            f"columns: {keep}."
+        )
+    if len(columns) > 3:
+        warnings.warn(
+            f"{what} has {len(columns)} columns {columns}: the default in-batch-negatives loss embeds every column, "
+            f"{columns[2:]} as hard negatives. If one of them is not a text to embed (a source, an id), keep the text "
+            f"columns: {keep}.",
+            stacklevel=3,  # the code that made the trainer
         )
 
 

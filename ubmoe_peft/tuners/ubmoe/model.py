@@ -563,7 +563,12 @@ def _refuse_other_tuners(model: nn.Module) -> None:
 
 def _embedding_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """The state-dict shapes of ``model``'s input and output embeddings (with a PEFT wrapper's entries, if any)."""
-    layers = [getattr(model, f, lambda: None)() for f in ("get_input_embeddings", "get_output_embeddings")]
+    layers = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:  # transformers' fallback raises where it cannot find the embedding (a custom model's own name for it)
+            layers.append(getattr(model, getter, lambda: None)())
+        except (NotImplementedError, AttributeError):
+            continue
     ids = {id(layer) for layer in layers if layer is not None}
     prefixes = tuple(f"{name}." for name, module in model.named_modules() if id(module) in ids)
     return {k: v.shape for k, v in model.state_dict().items() if prefixes and k.startswith(prefixes)}
