@@ -281,18 +281,24 @@ def test_an_empty_prompt_scores_every_completion_token(model, tokenizer):
 
 def test_inputs_over_max_length_are_counted_in_a_warning(model, tokenizer):
     """eval-lm's default --max_length 256 cut 13 of 100 SFT chats from the left, unannounced: the loss moved by 2%."""
+    import warnings
+
     rows = [{"prompt": w(*range(5, 25)), "completion": w(30, 31, 32)}, {"prompt": w(5), "completion": w(6)}]
     with pytest.warns(
         UserWarning, match=r"1 of 2 examples are longer than max_length=8 tokens .* Raise max_length"
     ) as w1:
         lm_loss(model, tokenizer, rows, mode="uni", max_length=8)
-    questions = [{"question": w(*range(5, 25)), "choices": [w(6), w(7)], "label": 0}, {**rows[1], "question": w(5)}]
-    questions[1].update(choices=[w(8), w(9)], label=1)
+    questions = [
+        {"question": w(*range(5, 25)), "choices": [w(6), w(7)], "label": 0},
+        {"question": w(5), "choices": [w(8), w(9)], "label": 1},
+    ]
     with pytest.warns(UserWarning, match=r"1 of 2 rows are longer than max_length=8") as w2:  # rows, not choices
         multiple_choice_accuracy(model, tokenizer, (q for q in questions), mode="uni", max_length=8)  # a generator
     assert w1[0].filename == w2[0].filename == __file__  # pointed at the caller
-    import warnings
-
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a refused mode is named first, with no warning about the inputs
+        with pytest.raises(ValueError, match="mode 'bi' are meaningless"):
+            lm_loss(model, tokenizer, rows, mode="bi", max_length=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lm_loss(model, tokenizer, rows, mode="uni", max_length=64)  # no warning when everything fits

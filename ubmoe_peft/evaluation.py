@@ -257,9 +257,14 @@ def check_scoring_mode(mode: str | None) -> None:
         )
 
 
+def _check_mode(model: nn.Module, mode: str | None) -> None:
+    """`check_scoring_mode` of ``mode``, or of the model's current mode when None."""
+    check_scoring_mode(mode or (get_mode(model) if ubmoe_layers(model) else None))
+
+
 def _in_mode(model: nn.Module, mode: str | None):
     """Run in ``mode`` (None: the current one), refusing mode bi (`check_scoring_mode`)."""
-    check_scoring_mode(mode or (get_mode(model) if ubmoe_layers(model) else None))
+    _check_mode(model, mode)
     return use_mode(model, mode) if mode is not None else nullcontext()
 
 
@@ -294,6 +299,7 @@ def lm_loss(
             f"Example {empty[0]} ({examples[empty[0]]!r}) has no tokens ({len(empty)} such examples): drop empty texts "
             "(a blank line of a text file is one)."
         )
+    _check_mode(model, mode)  # a refused mode (bi) is named before any warning about the inputs
     _warn_if_cut(pairs, list(range(len(pairs))), max_length, "examples")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     tokens = sum(n for _, n in scored)
@@ -345,6 +351,7 @@ def multiple_choice_accuracy(
             lengths.append(len(choice))
     if not spans:
         raise ValueError("multiple_choice_accuracy needs at least one row.")
+    _check_mode(model, mode)  # a refused mode (bi) is named before any warning about the inputs
     _warn_if_cut(pairs, [row for row, (_, count, _) in enumerate(spans) for _ in range(count)], max_length, "rows")
     scored = _score(model, tokenizer, pairs, mode, batch_size, max_length)
     right = right_norm = 0

@@ -3,8 +3,8 @@
 PEFT writes ``adapter_model.safetensors`` with ``safe_save_file`` (imported by name into ``peft.peft_model``) and
 reads it with ``load_peft_weights`` (likewise); it reads ``adapter_config.json`` with ``PeftConfig.from_json_file``
 and ``PeftConfig._get_peft_type``, the latter before it even knows the file is a UBMoE adapter. PEFT has no hook
-for any of these, so `install` swaps those four names, ``PeftModel.save_pretrained`` and ``PeftModel.load_adapter`` for
-the wrappers below when ubmoe-peft is imported:
+for any of these, so `install` swaps those four names and ``PeftModel.save_pretrained``, ``from_pretrained`` and
+``load_adapter`` for the wrappers below when ubmoe-peft is imported:
 
 - the weights writer becomes atomic (temp file in the same folder, flush + fsync, ``os.replace``, fsync of the
   folder), so a save killed half-way leaves the previous file intact; this holds for every PEFT method. Recent
@@ -373,6 +373,7 @@ def _wrap_from_pretrained(original: Any) -> Any:
         finally:
             _OWN_CONFIG.reset(token)
 
+    functools.update_wrapper(from_pretrained, original.__func__)  # PEFT's signature and docstring
     wrapped = classmethod(from_pretrained)
     wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return wrapped
