@@ -178,7 +178,7 @@ def _prompt_completion(tokenizer: Any, prompt: str, completion: str) -> tuple[li
     context = tokenizer(prompt)["input_ids"]
     if len(context) > 1 and _appended_eos(tokenizer, prompt, context):  # not one the prompt ends with
         context = context[:-1]
-    if not context:  # nothing to condition the first completion token on: as lm-evaluation-harness, end-of-text
+    if not context:  # nothing to condition the first completion token on: as lm-evaluation-harness, BOS (else EOS)
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if start is None:
             raise ValueError(
