@@ -220,7 +220,7 @@ def _continuation_logprobs(
     for start in range(0, len(pairs), batch_size):
         chunk = pairs[start : start + batch_size]
         seqs = [(ctx + cont)[-max_length:] for ctx, cont in chunk]
-        n_cont = [max(0, min(len(cont), len(seq) - 1)) for (_, cont), seq in zip(chunk, seqs, strict=True)]
+        n_cont = [_scored_tokens(ctx, cont, max_length) for ctx, cont in chunk]
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T) right-padded
         mask = torch.zeros_like(ids)  # (B, T)
@@ -370,12 +370,18 @@ def multiple_choice_accuracy(
     return {"accuracy": 100 * right / n, "accuracy_norm": 100 * right_norm / n, "n": n}
 
 
+def _scored_tokens(context: list[int], continuation: list[int], max_length: int) -> int:
+    """How many continuation tokens are scored once the pair is cut to its last ``max_length`` tokens (the first
+    token kept predicts nothing)."""
+    return max(0, min(len(continuation), min(len(context) + len(continuation), max_length) - 1))
+
+
 def _warn_if_cut(pairs: list, owners: list[int], max_length: int, what: str) -> None:
     """Warn, counting them, of the examples (``owners[i]``: the example of pair i) longer than ``max_length``: they lose
     their left end (`_continuation_logprobs`), which used to shift the scores unannounced."""
     long = [i for i, (ctx, cont) in enumerate(pairs) if len(ctx) + len(cont) > max_length]
     if long:
-        lost = sum(len(pairs[i][1]) - max(0, min(len(pairs[i][1]), max_length - 1)) for i in long)
+        lost = sum(len(pairs[i][1]) - _scored_tokens(*pairs[i], max_length) for i in long)
         total = sum(len(cont) for _, cont in pairs)
         warnings.warn(
             f"{len({owners[i] for i in long})} of {len(set(owners))} {what} are longer than max_length={max_length} "

@@ -384,17 +384,13 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
     def load_adapter(self: Any, model_id: Any, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
         # PEFT loads into an adapter of that name as it is, so weights saved with another scaling or routing ran under
         # the existing adapter's settings, silently (from_pretrained with a config= of other settings did the same).
-        own_config, token = (
-            _OWN_CONFIG.get(False),
-            _OWN_CONFIG.set(False),
-        )  # only the outermost load is from_pretrained's
+        own_config = _OWN_CONFIG.get(False)
+        token = _OWN_CONFIG.set(False)  # only the outermost load is from_pretrained's own
         try:
             existing = self.peft_config.get(adapter_name)
             folder = _local_folder(model_id, kwargs.get("subfolder"))
-            ubmoe = (
-                getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None and is_ubmoe_folder(folder)
-            )
-            if ubmoe and not own_config:
+            ubmoe = getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None
+            if ubmoe and not own_config and is_ubmoe_folder(folder):
                 _check_same_settings(existing, folder, adapter_name)
             return original(self, model_id, adapter_name, *args, **kwargs)
         finally:

@@ -263,7 +263,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                         what = f"ContrastiveTrainer's {role}{f'[{name!r}]' if name else ''}"
                         fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
                         refuse_graded_pairs(columns, what, fix)
-                        _refuse_extra_columns(dataset, columns, what)
+                        _check_text_columns(dataset, columns, what)
             loss = MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
         else:
             _check_loss_model(loss, self.sentence_transformer)
@@ -301,7 +301,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
 
 
-def _refuse_extra_columns(dataset: Any, columns: list[str], what: str) -> None:
+def _check_text_columns(dataset: Any, columns: list[str], what: str) -> None:
     """The in-batch-negatives loss embeds every column (sentence-transformers' rule): a number failed deep in the
     tokenizer without naming its column, and a metadata column (a source) became one more hard negative, silently (a
     constant one made the no-duplicates sampler yield batches of one row). More than three text columns can be real

@@ -487,9 +487,10 @@ def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, s
     adapter's UBMoE parameters and its copies of ``modules_to_save`` with tensors of the same shapes, all finite."""
     own = re.compile(_ADAPTER_SEGMENT.format(name=re.escape(adapter_name)))
     saved_copy = re.compile(rf"\.modules_to_save\.{re.escape(adapter_name)}\.")  # PEFT's copies (modules_to_save)
-    expected = {k: v.shape for k, v in model.state_dict().items() if own.search(k) or saved_copy.search(k)}
+    state = model.state_dict()
+    expected = {k: v.shape for k, v in state.items() if own.search(k) or saved_copy.search(k)}
     # PEFT adds the base's embeddings to a save when they were resized (save_embedding_layers) and loads them back
-    optional = {k: v for k, v in _embedding_shapes(model).items() if k not in expected}
+    optional = {k: v for k, v in _embedding_shapes(model, state).items() if k not in expected}
     given = dict(state_dict)  # a UBMoE file holds the adapter's tensors (and those embeddings) and nothing else
     unexpected = sorted(k for k in given if k not in expected and k not in optional)
     missing = sorted(k for k in expected if k not in given)
@@ -561,8 +562,9 @@ def _refuse_other_tuners(model: nn.Module) -> None:
         )
 
 
-def _embedding_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """The state-dict shapes of ``model``'s input and output embeddings (with a PEFT wrapper's entries, if any)."""
+def _embedding_shapes(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
+    """The shapes of ``model``'s input and output embeddings in its state dict ``state`` (with a PEFT wrapper's
+    entries, if any)."""
     layers = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         try:  # transformers' fallback raises where it cannot find the embedding (a custom model's own name for it)
@@ -571,7 +573,7 @@ def _embedding_shapes(model: nn.Module) -> dict[str, torch.Size]:
             continue
     ids = {id(layer) for layer in layers if layer is not None}
     prefixes = tuple(f"{name}." for name, module in model.named_modules() if id(module) in ids)
-    return {k: v.shape for k, v in model.state_dict().items() if prefixes and k.startswith(prefixes)}
+    return {k: v.shape for k, v in state.items() if prefixes and k.startswith(prefixes)}
 
 
 def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
