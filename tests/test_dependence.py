@@ -63,6 +63,16 @@ def test_bad_texts_are_refused(model, tokenizer):
         attention_dependence(model, None, [w(5, 6)])
 
 
+def test_numpy_and_pandas_texts_are_read_as_lists(model, tokenizer):
+    """Both failed on their truth value; a Series indexed by labels would have been sliced by label."""
+    import numpy as np
+    import pandas as pd
+
+    expected = attention_dependence(model, tokenizer, TEXTS, mode="bi", batch_size=2).average
+    for texts in (np.array(TEXTS), pd.Series(TEXTS, index=[7, 3, 5])):
+        assert attention_dependence(model, tokenizer, texts, mode="bi", batch_size=2).average == pytest.approx(expected)
+
+
 def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
     with pytest.raises(ValueError, match=r"texts\[1\] is '' \(2 such texts\): every text must be non-empty"):
         attention_dependence(model, tokenizer, [w(5, 6), "", "  "])

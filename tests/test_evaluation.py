@@ -166,7 +166,7 @@ def test_bad_examples_are_named_not_scored(model, tokenizer):
         lm_loss(model, tokenizer, w(5, 6, 7))
     with pytest.raises(ValueError, match="Example 1 \\(''\\) has no tokens"):
         lm_loss(model, tokenizer, [w(5, 6, 7), ""])
-    with pytest.raises(TypeError, match="sentences1 must be a list of texts, got str"):
+    with pytest.raises(TypeError, match="sentences1 must be a list of texts or rows, got str"):
         sts_spearman(model, tokenizer, w(5), w(6), [1.0, 2.0])
     with pytest.raises(ValueError, match="sentences2\\[1\\] is None"):
         sts_spearman(model, tokenizer, [w(5), w(6)], [w(7), None], [1.0, 2.0])
@@ -236,6 +236,10 @@ def test_numpy_and_tensor_scores_and_labels_are_numbers(model, tokenizer):
     expected = sts_spearman(model, tokenizer, s1, s2, gold)
     for scores in ([np.int64(1), np.int64(3), np.int64(5)], np.array(gold, dtype=np.float32), torch.tensor(gold)):
         assert sts_spearman(model, tokenizer, s1, s2, list(scores)) == expected
+    import pandas as pd  # a pandas table's columns as they are (a numpy or Series of texts was refused)
+
+    table = pd.DataFrame({"s1": s1, "s2": s2, "score": gold}, index=[4, 9, 2])
+    assert sts_spearman(model, tokenizer, table["s1"], np.array(s2), table["score"]) == expected
     for scores, message in [
         (["1.0", "3.0", "5.0"], r"STS score 0 \(counting from 0\) is '1.0' \(str\); gold scores must be numbers"),
         ([1.0, float("nan"), 5.0], r"STS score 1 \(counting from 0\) is nan; gold scores must be finite"),

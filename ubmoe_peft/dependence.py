@@ -65,6 +65,7 @@ def attention_dependence(
 ) -> DependenceResult:
     """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers."""
     check_collection(texts, "texts")  # a generator failed on len() with a bare TypeError
+    texts = list(texts)  # a numpy array or pandas Series has no truth value, and a Series indexes by label
     if not texts:
         raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}.")
     blank = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]

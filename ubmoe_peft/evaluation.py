@@ -86,9 +86,9 @@ def _gold_score(row: int, score: Any) -> float:
 
 
 def _check_texts(texts: Any, name: str) -> None:
-    """``texts`` is a list of non-empty strings (a single string would be read character by character)."""
-    if isinstance(texts, str) or not isinstance(texts, Sequence):
-        raise TypeError(f"{name} must be a list of texts, got {type(texts).__name__} {str(texts)[:60]!r}.")
+    """``texts`` is a sized collection of non-empty strings (a list, a numpy array, a pandas column; a single string
+    would be read character by character)."""
+    check_collection(texts, name)
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{name}[{i}] is {text!r}: every entry must be a non-empty text.")
