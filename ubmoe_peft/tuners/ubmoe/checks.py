@@ -1,0 +1,325 @@
+"""Checks of a UBMoE config against its base model, and of an adapter checkpoint against the model it loads into:
+every one raises before anything is changed, naming what was given and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...architectures import (
+    attention_module,
+    decoder_layers,
+    default_ffn_target,
+    layer_index,
+    linear_projections,
+    text_config,
+)
+from ...io import AdapterMismatchError
+from .bnb import ComputeDtypeLinear
+from .config import UBMoEConfig
+from .layer import UBMoELayer, selected_projections
+
+ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
+
+_CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDicts a UBMoE layer holds
+
+
+def in_decoder(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of ``model``'s decoder layers: only FFNs under them are wrapped (not a vision tower's)."""
+    return tuple(f"{name}." for name, _ in decoder_layers(model))
+
+
+def matches_target(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | None = None) -> bool:
+    if decoder is not None and not key.startswith(decoder):
+        return False
+    targets = config.target_modules
+    if isinstance(targets, str):
+        hit = re.fullmatch(targets, key) is not None
+    else:
+        hit = any(key == t or key.endswith(f".{t}") for t in targets or [])
+    if hit and config.layers_to_transform is not None:
+        hit = layer_index(key) in config.layers_to_transform
+    return hit
+
+
+def base_signature(model: nn.Module) -> dict[str, Any]:
+    """What an adapter must match in its base: architecture, hidden and FFN sizes and number of decoder layers.
+    (Llama-2-7B and Llama-3-8B share the other three; the FFN size tells them apart.)"""
+    config = text_config(model)
+    ffn_size = getattr(config, "intermediate_size", None)
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "intermediate_size": list(ffn_size) if isinstance(ffn_size, tuple) else ffn_size,  # as JSON reads it back
+        "num_layers": len(decoder_layers(model)),
+    }
+
+
+def signature_differences(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """The entries in which a model's ``current`` base signature differs from a saved one. Only entries both have
+    count: files saved before an entry was added (intermediate_size) are still checked on the others."""
+    return sorted(k for k in current if k in (saved or {}) and saved[k] != current[k])
+
+
+def _describe(name: str | None, signature: dict[str, Any] | None) -> str:
+    shown = ", ".join(f"{k}={v!r}" for k, v in sorted((signature or {}).items())) or "no recorded shape"
+    return f"{name or 'an unnamed base model'} ({shown})"
+
+
+def _mismatch(config: UBMoEConfig, model: nn.Module, problem: str) -> AdapterMismatchError:
+    model_name = getattr(text_config(model), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    return AdapterMismatchError(
+        f"This UBMoE adapter was made for {_describe(config.base_model_name_or_path, config.base_model_signature)}, "
+        f"but the model it is loaded into is {_describe(model_name, base_signature(model))}: {problem} Load the "
+        "adapter onto the base model it was trained on (its adapter_config.json names it)."
+    )
+
+
+def check_checkpoint(model: nn.Module, config: UBMoEConfig, adapter_name: str, state_dict: dict) -> None:
+    """Raise `AdapterMismatchError` unless ``state_dict`` (keys already mapped to the model) fills exactly the
+    adapter's UBMoE parameters and its copies of ``modules_to_save`` with tensors of the same shapes, all finite."""
+    own = re.compile(ADAPTER_SEGMENT.format(name=re.escape(adapter_name)))
+    saved_copy = re.compile(rf"\.modules_to_save\.{re.escape(adapter_name)}\.")  # PEFT's copies (modules_to_save)
+    state = model.state_dict()
+    expected = {k: v.shape for k, v in state.items() if own.search(k) or saved_copy.search(k)}
+    # PEFT adds the base's embeddings to a save when they were resized (save_embedding_layers) and loads them back
+    optional = {k: v for k, v in _embedding_shapes(model, state).items() if k not in expected}
+    given = dict(state_dict)  # a UBMoE file holds the adapter's tensors (and those embeddings) and nothing else
+    unexpected = sorted(k for k in given if k not in expected and k not in optional)
+    missing = sorted(k for k in expected if k not in given)
+    shapes = {**optional, **expected}
+    misfits = [k for k, v in given.items() if k in shapes and tuple(v.shape) != tuple(shapes[k])]
+    wrong = [f"{k}: {tuple(given[k].shape)} in the file, {tuple(shapes[k])} in the model" for k in misfits]
+    problems = []
+    if wrong:
+        problems.append(f"{len(wrong)} tensors differ in shape (e.g. {wrong[0]}).")
+    if unexpected:
+        problems.append(f"{len(unexpected)} tensors have no place in the model (e.g. {unexpected[0]}).")
+    if missing:
+        problems.append(f"{len(missing)} adapter parameters are not in the file (e.g. {missing[0]}).")
+    if problems and signature_differences(config.base_model_signature, base_signature(model)):
+        raise _mismatch(config, model, " ".join(problems))
+    if misfits and all(".modules_to_save." in k or k in optional for k in misfits):  # e.g. another vocabulary
+        raise AdapterMismatchError(
+            f"The adapter's trained copies of base modules (modules_to_save={config.modules_to_save}) or the "
+            f"embeddings saved with it do not fit the model's: {' '.join(problems)} The base differs from the one "
+            "the adapter was trained on, e.g. in vocabulary size. Load the adapter onto that base (or resize this "
+            "one's token embeddings to the saved size first, model.resize_token_embeddings(n))."
+        )
+    if problems:  # the right base: the weights were saved by an adapter of other settings (or the file was edited)
+        settings = ", ".join(
+            f"{k}={getattr(config, k)!r}" for k in ("expert_type", "r", "attention_r", "target_modules")
+        )
+        raise AdapterMismatchError(
+            f"The adapter weights being loaded (an adapter_model.safetensors, or a state dict) do not fit adapter "
+            f"{adapter_name!r} ({settings}): {' '.join(problems)} They were saved by an adapter with other settings "
+            "(or edited); load them with the adapter_config.json saved beside them."
+        )
+    bad = [k for k, v in given.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise AdapterMismatchError(
+            f"The adapter weights hold NaN or inf values (e.g. {bad[0]}), so the file is corrupted or was saved "
+            "from a diverged run. Save a healthy checkpoint again with model.save_pretrained(folder)."
+        )
+
+
+def widen_quantized_copies(model: nn.Module, state_dict: dict) -> None:
+    """A copy expert of a quantized FFN is built in the compute dtype (bf16, say); one that trained wider
+    (prepare_model_for_kbit_training upcasts it to fp32) was rounded to the built dtype when loaded back, silently.
+    Its layers take inputs of any dtype, so they take the saved tensors' dtype where that is wider."""
+    for name, module in model.named_modules():
+        if isinstance(module, ComputeDtypeLinear):
+            for key, param in module.named_parameters(recurse=False):
+                saved = state_dict.get(f"{name}.{key}")
+                if saved is not None and saved.is_floating_point() and saved.dtype.itemsize > param.dtype.itemsize:
+                    param.data = param.data.to(saved.dtype)
+
+
+def refuse_other_tuners(model: nn.Module) -> None:
+    """Another PEFT method's layers in the base (a LoRA model wrapped again) were taken for FFN projections: the
+    experts adapted or copied LoRA's own modules, the save held the LoRA's tensors and loaded nowhere, and the LoRA
+    model's shared ``peft_config`` entry was overwritten by ours."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    foreign = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, BaseTunerLayer) and not isinstance(m, UBMoELayer)
+    ]
+    if foreign:
+        name, layer = foreign[0]
+        kind = f"{type(layer).__module__}.{type(layer).__qualname__}"
+        raise ValueError(
+            f"The model already holds {len(foreign)} layers of another PEFT method (e.g. {name!r}, a {kind}), so UBMoE "
+            "cannot be added to it: its experts would take that method's modules for FFN projections and its saves "
+            "could not be loaded back. Merge the other adapter into the base first (base = peft_model."
+            "merge_and_unload()), or start from a fresh base model."
+        )
+
+
+def _embedding_shapes(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
+    """The shapes of ``model``'s input and output embeddings in its state dict ``state`` (with a PEFT wrapper's
+    entries, if any)."""
+    layers = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:  # transformers' fallback raises where it cannot find the embedding (a custom model's own name for it)
+            layers.append(getattr(model, getter, lambda: None)())
+        except (NotImplementedError, AttributeError):
+            continue
+    ids = {id(layer) for layer in layers if layer is not None}
+    prefixes = tuple(f"{name}." for name, module in model.named_modules() if id(module) in ids)
+    return {k: v.shape for k, v in state.items() if prefixes and k.startswith(prefixes)}
+
+
+def _check_ffn_inputs(name: str, ffn: nn.Module) -> None:
+    """The FFN takes the hidden states alone: the experts are run as ``ffn(x)`` on the tokens routed to them."""
+    extra = [
+        p.name
+        for p in list(inspect.signature(ffn.forward).parameters.values())[1:]
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if extra:
+        raise ValueError(
+            f"Target module {name!r} ({type(ffn).__name__}) needs {extra} besides the hidden states in its forward, "
+            "so UBMoE cannot run it as an expert on the tokens routed to it (Bloom and MPT fold the residual into "
+            "their FFN). This architecture is not supported: use one whose FFN takes the hidden states alone."
+        )
+
+
+def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
+    """A mixture-of-experts block keeps its experts' weights fused in 3-D parameters. One that also holds an
+    nn.Linear (its router, a shared expert) was wrapped: the LoRA expert adapted only those linears and the copy
+    expert duplicated every expert, silently; others failed later on the block's tuple output."""
+    fused = {}
+    for name, module in targets.items():
+        module = module.base_layer if isinstance(module, UBMoELayer) else module
+        weight = next(((key, p.dim()) for key, p in module.named_parameters() if p.dim() >= 3), None)
+        if weight is not None:
+            fused[name] = weight
+    if not fused:
+        return
+    dense = sorted({layer_index(name) for name in targets if name not in fused} - {None})
+    name, (weight, dims) = next(iter(fused.items()))
+    fix = (
+        f"Wrap only the layers with a dense FFN: UBMoEConfig(layers_to_transform={dense})."
+        if dense
+        else "The targeted layers hold no dense FFN; use a dense model."
+    )
+    raise ValueError(
+        f"Target module {name!r} ({len(fused)} of {len(targets)} targets) is a mixture-of-experts block: it holds "
+        f"fused expert weights ({weight!r}, {dims}-D). UBMoE pairs a dense FFN with its bidirectional twin and "
+        f"cannot make experts of an MoE block. {fix}"
+    )
+
+
+def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
+    """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
+    signature = base_signature(model)
+    if config.base_model_signature is None:
+        config.base_model_signature = signature
+    else:
+        saved = config.base_model_signature
+        differ = signature_differences(saved, signature)
+        if differ:
+            raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
+    if config.target_modules is None:
+        config.target_modules = [default_ffn_target(model)]
+    decoder = in_decoder(model)
+    targets = {name: m for name, m in model.named_modules() if name and matches_target(config, name, decoder)}
+    layers = decoder_layers(model)
+    if config.layers_to_transform is not None:
+        bad = [i for i in config.layers_to_transform if i >= len(layers)]
+        if bad:
+            raise ValueError(
+                f"UBMoEConfig(layers_to_transform={config.layers_to_transform}) names layers {bad}, but the model has "
+                f"{len(layers)} decoder layers (0..{len(layers) - 1})."
+            )
+    if not targets:
+        children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+        raise ValueError(
+            f"Target modules {config.target_modules} not found in the base model. Its decoder layers have the "
+            f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
+        )
+    _check_modules_to_save(config, targets, adapter_name)
+    _refuse_expert_blocks(targets)
+    for name, module in targets.items():
+        if isinstance(module, UBMoELayer):
+            module = module.base_layer
+        if isinstance(module, nn.Linear):
+            raise ValueError(
+                f"Target module {name!r} is a single linear layer, but UBMoE wraps a whole FFN (its projections "
+                f"become the experts). Target the FFN module instead, e.g. target_modules=['mlp']."
+            )
+        projections = selected_projections(module, config)
+        if not projections:
+            kinds = sorted({type(m).__name__ for m in module.children()}) or "no submodules"
+            raise ValueError(
+                f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside (it holds {kinds}), so "
+                "UBMoE cannot build experts for it. UBMoE wraps dense FFNs made of nn.Linear projections: GPT-2's "
+                "Conv1D and fused MoE experts are not supported. If this is not the FFN, name the decoder layers' "
+                "FFN module in UBMoEConfig(target_modules=[...])."
+            )
+        _check_ffn_inputs(name, module)
+        if any(p.is_meta for p in module.parameters()):
+            raise ValueError(
+                f"Target module {name!r} has its weights on the meta device: accelerate offloads them (a device_map "
+                "with 'cpu' or 'disk' entries beside a GPU, or disk_offload) or they were never loaded. UBMoE adds its "
+                "experts beside the FFN's weights and cannot follow them out of memory. Load the base with every "
+                "decoder layer in memory (device_map='cpu', one GPU, or a 4-bit base as in docs/qlora.md), wrap it, "
+                "and offload after wrapping if you must (accelerate.cpu_offload)."
+            )
+        if config.attention_r:
+            _check_attention(config, name, layers)
+        if config.expert_type == "lora":
+            for proj_name, proj in projections.items():
+                if config.r > min(proj.in_features, proj.out_features):
+                    raise ValueError(
+                        f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
+                        f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
+                    )
+
+
+def _check_modules_to_save(config: UBMoEConfig, targets: dict[str, nn.Module], adapter_name: str) -> None:
+    """PEFT wraps every module whose name ends with an entry of ``modules_to_save`` (plain ``str.endswith``), after
+    the experts are built. Inside a wrapped FFN that would fail half-way (a UBMoE layer or its ModuleDicts cannot be
+    wrapped) or train a projection the experts share, so such entries are refused here, before anything changes. The
+    names checked are those the FFN and its contents will have once wrapped."""
+    if not config.modules_to_save:
+        return
+    names = []
+    for name, module in targets.items():
+        ffn = module.base_layer if isinstance(module, UBMoELayer) else module
+        inner = [n for n, _ in ffn.named_modules() if n]
+        names += [name, f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
+        for container in _CONTAINERS:
+            names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
+            names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
+    clashes = sorted({entry for entry in config.modules_to_save for n in names if n.endswith(entry)})
+    if clashes:
+        example = next(n for n in names if n.endswith(clashes[0]))
+        raise ValueError(
+            f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {clashes}, which would match modules inside "
+            f"the FFNs UBMoE wraps (e.g. {example!r}; PEFT matches the end of module names). The FFNs are the "
+            "experts: train them through the adapter. Keep modules_to_save to modules outside them, e.g. ['lm_head']."
+        )
+
+
+def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str, nn.Module]]) -> None:
+    """The mode-bi attention adapter needs the FFN's decoder layer to have a self-attention with linear layers the
+    rank fits; checked before anything is built."""
+    index = layer_index(ffn_name)
+    attention = attention_module(layers[index][1]) if index is not None and index < len(layers) else None
+    if attention is None:
+        raise ValueError(
+            f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the decoder layer "
+            f"of {ffn_name!r} has no self-attention module named 'self_attn', 'attention' or 'attn' with linear "
+            "layers. Use attention_r=0."
+        )
+    for proj_name, proj in linear_projections(attention).items():
+        if config.attention_r > min(proj.in_features, proj.out_features):
+            raise ValueError(
+                f"UBMoEConfig(attention_r={config.attention_r}) is larger than the attention's {proj_name} "
+                f"({proj.in_features} -> {proj.out_features}); use a rank of at most min(in, out)."
+            )
