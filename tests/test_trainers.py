@@ -67,6 +67,34 @@ def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, exp
 
 
 @pytest.mark.parametrize("expert", ["lora", "copy"])
+def test_simcse_views_differ_from_the_first_step_with_attention_dropout(tokenizer, tmp_path, expert):
+    """Texts paired with themselves (unsupervised SimCSE) differ only by dropout: a fresh LoRA expert's dropout
+    changed nothing (B starts at 0; two views were equal to the last bit) and a copy expert has none."""
+    from ubmoe_peft.data import contrastive_pairs
+    from ubmoe_peft.trainers import attention_dropout
+
+    model = get_peft_model(tiny_model(attn="sdpa"), UBMoEConfig(expert_type=expert))
+    ubmoe_peft.set_stage(model, "contrastive")
+    ids, mask = batch()
+    model.train()
+    with torch.no_grad():
+        views = lambda: model(input_ids=ids, attention_mask=mask).logits  # noqa: E731
+        assert torch.equal(views(), views())  # no view differs without attention dropout
+        with attention_dropout(model, 0.1):
+            assert not torch.equal(views(), views())
+
+    seen = []  # the attention dropout in force at each training forward; restored after training
+    attention = model.base_model.model.model.layers[0].self_attn
+    attention.register_forward_hook(lambda module, args, out: seen.append((module.attention_dropout, module.training)))
+    args = ContrastiveConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, attention_dropout=0.1, **QUIET
+    )
+    ContrastiveTrainer(model, tokenizer, args=args, train_dataset=contrastive_pairs(_texts(16))).train()
+    assert seen and set(seen) == {(0.1, True)}
+    assert attention.attention_dropout == 0.0
+
+
+@pytest.mark.parametrize("expert", ["lora", "copy"])
 def test_router_trainer_trains_only_the_routers_and_logs_bi_share(tokenizer, tmp_path, expert):
     model = get_peft_model(tiny_model(), UBMoEConfig(expert_type=expert))
     _trained_experts(model)
@@ -359,6 +387,13 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
     with pytest.warns(UserWarning, match=r"4 columns .*'source'\] as hard negatives.*select_columns") as caught:
         ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=sourced)
     assert caught[0].filename == __file__  # pointed at the code that made the trainer
+    import warnings
+
+    more = _pairs().add_column("negative_2", [w(i + 60) for i in range(40)])  # named as a hard negative: no warning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=more)
+    assert not [x for x in seen if "hard negatives" in str(x.message)]
     trainer = ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=scored, loss=losses.CoSENTLoss)
     assert trainer.loss.model is trainer.sentence_transformer  # a loss class is built on the trained model
     own = ubmoe_peft.to_sentence_transformer(model, tokenizer, pooling="lasttoken")
@@ -393,6 +428,7 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         (dict(scale=-1.0), r"scale=-1.0 must be a positive number, the loss's inverse temperature"),
         (dict(scale=None), r"scale=None must be a positive number"),  # a raw TypeError from a comparison before
         (dict(scale=float("nan")), r"scale=nan must be a positive number"),
+        (dict(attention_dropout=1.0), r"attention_dropout=1.0 must be a probability in \[0, 1\)"),
     ],
 )
 def test_contrastive_config_rejects_bad_values(tmp_path, kwargs, message):

@@ -83,6 +83,12 @@ class DataArgs:
             "Default: the demo data shipped with ubmoe-peft."
         },
     )
+    data_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Configuration of a hub dataset that has several (e.g. 'triplet' of sentence-transformers/all-nli)."
+        },
+    )
     split: str = field(default="train", metadata={"help": "Split to read from a hub dataset or folder."})
     max_rows: int | None = field(default=None, metadata={"help": "Use at most this many rows (the first ones)."})
 
@@ -368,7 +374,7 @@ def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedAr
     from .evaluation import sts_spearman
 
     modes = _modes(ev, ["uni", "bi"])  # checked before the model is loaded
-    rows = load_rows(data.data, "sts", data.split, data.max_rows)
+    rows = load_rows(data.data, "sts", data.split, data.max_rows, data.data_config)
     check_sts_scores(rows, data.data)
     model, tokenizer = load_model(model_args)
     prompt = None if embed.prompt in (None, "none") else embed.prompt
@@ -393,7 +399,7 @@ def eval_lm(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str, An
     modes = _modes(ev, ["uni", "moe"])  # checked before the model is loaded and any mode is scored
     for mode in modes:
         check_scoring_mode(mode)
-    rows = load_rows(data.data, "lm", data.split, data.max_rows)
+    rows = load_rows(data.data, "lm", data.split, data.max_rows, data.data_config)
     model, tokenizer = load_model(model_args)
     choice = rows.column_names[0] == "question"
     results = {}
@@ -416,7 +422,7 @@ def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str,
     from .dependence import attention_dependence
 
     modes = _modes(ev, ["uni", "bi", "moe"])  # checked before the model is loaded
-    rows = load_rows(data.data, "texts", data.split, data.max_rows)
+    rows = load_rows(data.data, "texts", data.split, data.max_rows, data.data_config)
     model, tokenizer = load_model(model_args)
     texts = texts_of(rows)
     results = {
@@ -424,6 +430,9 @@ def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str,
         for mode in modes
     }
     return _report(results, ev, f"Attention dependence, percent ({len(texts)} texts)")
+
+
+SIMCSE_DROPOUT = 0.1  # SimCSE's dropout rate (Gao, Yao and Chen, 2021), here on the attention weights
 
 
 def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, config: Any) -> str:
@@ -442,17 +451,18 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
     resume = _resume(config)
     if model_args.adapter is None:
         UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
-    rows = load_rows(data.data, "contrastive", data.split, data.max_rows)
+    rows = load_rows(data.data, "contrastive", data.split, data.max_rows, data.data_config)
+    if rows.column_names == ["text"]:  # unsupervised SimCSE: each text paired with itself
+        if config.attention_dropout == 0:
+            raise ValueError(
+                f"Data {data.data!r} has one text column, so each text is paired with itself (unsupervised SimCSE), "
+                "whose two views differ only by dropout; --attention_dropout 0 would make every pair two identical "
+                "embeddings. Leave --attention_dropout out (0.1), or use pairs of texts (anchor, positive[, negative])."
+            )
+        if config.attention_dropout is None:
+            config.attention_dropout = SIMCSE_DROPOUT
     seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
-    adapter_config = model.peft_config[model.active_adapter]
-    if rows.column_names == ["text"] and (adapter_config.expert_type == "copy" or not adapter_config.lora_dropout):
-        raise ValueError(
-            f"Data {data.data!r} has one text column, so each text is paired with itself (unsupervised SimCSE), whose "
-            f"two views differ only by dropout; this adapter (expert_type={adapter_config.expert_type!r}, "
-            f"lora_dropout={adapter_config.lora_dropout}) has none, so every pair would be two identical embeddings. "
-            "Use the LoRA expert with --lora_dropout 0.05 or more, or pairs of texts (anchor, positive[, negative])."
-        )
     rows = contrastive_pairs(rows)
     with _removed_if_left_empty(config.output_dir):
         ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=resume)
@@ -484,7 +494,7 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
     if model_args.adapter is None:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
     _check_adapter_output(config.output_dir)
-    rows = load_rows(data.data, "sft", data.split, data.max_rows)
+    rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config)
     resume = _resume(config)
     model, tokenizer = load_model(model_args, trainable=True)
     with _removed_if_left_empty(config.output_dir):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 DEMO_DATA = Path(__file__).parent / "demo_data"
 DEMO_FILES = {"contrastive": "triplets.jsonl", "sts": "sts.tsv", "sft": "chat.jsonl"}
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text", ".parquet": "parquet"}
+_COMPRESSED = (".gz", ".bz2", ".xz")  # datasets reads these compressions of any format, by the file name
 _FORMATS = {"json": "JSON lines", "csv": "CSV / tab-separated with a header row", "text": "one text per line",
             "parquet": "Parquet"}  # fmt: skip
 
@@ -27,31 +29,42 @@ COLUMNS = {
 }
 
 
-def load_rows(spec: str | None, task: str, split: str = "train", limit: int | None = None) -> Any:
-    """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id; None: the demo data)."""
-    from datasets import load_dataset, load_from_disk
+HARD_NEGATIVE = re.compile(r"negative(_?\d+)?")  # negative, negative_1, negative2: more hard negatives of a row
+
+
+def load_rows(
+    spec: str | None, task: str, split: str = "train", limit: int | None = None, config: str | None = None
+) -> Any:
+    """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id, with its ``config`` where it has
+    several; None: the demo data)."""
+    from datasets import load_from_disk
 
     if spec is None:
         spec = str(DEMO_DATA / DEMO_FILES["sft" if task in ("lm", "texts") else task])
     path = Path(spec)
-    if not path.exists() and path.suffix.lower() in _SUFFIXES:
+    card = path.is_dir() and _declares_configs(path)  # a clone of a hub dataset: its card says how to read it
+    if config is not None and path.exists() and not card:
+        raise ValueError(
+            f"--data_config {config!r} names a configuration of a hub dataset, but {spec!r} is a local "
+            f"{'folder' if path.is_dir() else 'file'} without any (no dataset card lists configs). Drop "
+            "--data_config."
+        )
+    if not path.exists() and _suffix(path) in _SUFFIXES:
         raise ValueError(f"Data file {spec!r} does not exist; check the path (relative to {Path.cwd()}).")
     if path.is_file():
         rows = _select_split({"train": _read_file(path)}, split, "a single data file")
     elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
-        # One `Dataset.save_to_disk` folder, which load_dataset refuses (a saved DatasetDict has a folder per split
-        # and loads below): it holds one split, as a single file does, and --split slices it the same way.
+        # One `Dataset.save_to_disk` folder, which load_dataset refuses: it holds one split, as a single file does,
+        # and --split slices it the same way.
         rows = _select_split({"train": load_from_disk(str(path))}, split, "a saved Dataset folder")
-    elif path.is_dir() and not (path / "dataset_dict.json").is_file():
-        rows = _select_split(_read_folder(path), split, f"data folder {spec!r}")
+    elif (path / "dataset_dict.json").is_file():
+        # A `DatasetDict.save_to_disk` folder: its own splits. load_dataset re-guessed them from the folder names
+        # (train_sft and train_gen read as one "train"; validation_matched unreachable).
+        rows = _select_split(dict(load_from_disk(str(path))), split, "a saved DatasetDict folder")
+    elif path.is_dir() and not card:
+        rows = _select_split(_read_folder(path.absolute()), split, f"data folder {spec!r}")
     else:
-        try:
-            rows = load_dataset(spec, split=split)
-        except (FileNotFoundError, ConnectionError) as err:
-            raise ValueError(
-                f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
-                f"dataset id failed ({err}). Pass a local .jsonl/.csv/.tsv/.txt/.parquet file or a reachable hub id."
-            ) from err
+        rows = _load_hub_dataset(spec, config, split)
     rows = _select(rows, task, spec)
     if limit is not None and limit < len(rows):
         rows = rows.select(range(limit))
@@ -59,6 +72,31 @@ def load_rows(spec: str | None, task: str, split: str = "train", limit: int | No
         raise ValueError(f"Data {spec!r} has no rows for {task!r}.")
     _check_cells(rows, spec)
     return rows
+
+
+def _declares_configs(folder: Path) -> bool:
+    """Whether ``folder``'s dataset card (README.md) lists configs, as a hub dataset repository's does."""
+    from huggingface_hub.repocard import metadata_load
+
+    card = folder / "README.md"
+    return card.is_file() and bool((metadata_load(card) or {}).get("configs"))
+
+
+def _load_hub_dataset(spec: str, config: str | None, split: str) -> Any:
+    """``load_dataset(spec, config, split=split)``, its failures named for the command line."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(spec, name=config, split=split)
+    except (FileNotFoundError, ConnectionError) as err:
+        raise ValueError(
+            f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
+            f"dataset id failed ({err}). Pass a local .jsonl/.csv/.tsv/.txt/.parquet file or a reachable hub id."
+        ) from err
+    except ValueError as err:  # e.g. "Config name is missing", an unknown config or split: datasets lists them
+        detail = " ".join(str(err).split("Example of usage")[0].split())  # one line, without a Python call
+        option = "--data_config NAME" if "config" in detail.lower() else "--split NAME"
+        raise ValueError(f"Cannot load data {spec!r}: {detail} Choose with {option}.") from err
 
 
 def check_sts_scores(rows: Any, spec: str) -> None:
@@ -86,13 +124,17 @@ def _read_file(path: Path) -> Any:
     from datasets import load_dataset
     from datasets.exceptions import DatasetGenerationError
 
-    loader = _SUFFIXES.get(path.suffix.lower())
+    suffix = _suffix(path)
+    loader = _SUFFIXES.get(suffix)
     if loader is None:
         raise ValueError(
-            f"Data file {str(path)!r} has suffix {path.suffix!r}; use one of {sorted(_SUFFIXES)} "
-            "(JSON lines, CSV, tab-separated with a header, one text per line, or Parquet)."
+            f"Data file {str(path)!r} has suffix {suffix!r}; use one of {sorted(_SUFFIXES)} (JSON lines, CSV, "
+            "tab-separated with a header, one text per line, or Parquet), compressed or not "
+            f"({', '.join(_COMPRESSED)})."
         )
-    extra: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if path.suffix.lower() == ".tsv" else {}
+    if path.stat().st_size == 0:
+        raise ValueError(f"Data file {str(path)!r} is empty. Pass a file that holds data.")
+    extra: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if suffix == ".tsv" else {}
     if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
         extra.update(keep_default_na=False, na_values=[""])
     try:
@@ -108,6 +150,14 @@ def _read_file(path: Path) -> Any:
     return rows
 
 
+def _suffix(path: Path) -> str:
+    """The suffix that names a file's format: ``.tsv`` for ``pairs.tsv`` and for ``pairs.tsv.gz``."""
+    suffixes = [suffix.lower() for suffix in path.suffixes]
+    if len(suffixes) > 1 and suffixes[-1] in _COMPRESSED:
+        return suffixes[-2]
+    return suffixes[-1] if suffixes else ""
+
+
 def _read_folder(path: Path) -> dict[str, Any]:
     """A folder of data files as datasets reads one (a split per file-name pattern, ``train*``, ``test*``,
     ``validation*``/``dev*``, else every file in ``train``), each file read by `_read_file`'s rules.
@@ -120,7 +170,7 @@ def _read_folder(path: Path) -> dict[str, Any]:
 
     def data_file(file: Path) -> bool:
         hidden = any(part.startswith(".") for part in file.relative_to(path).parts)
-        return file.is_file() and not hidden and file.suffix.lower() in _SUFFIXES
+        return file.is_file() and not hidden and _suffix(file) in _SUFFIXES
 
     present = sorted(f for f in path.rglob("*") if data_file(f))
     if not present:
@@ -191,13 +241,35 @@ def _check_cells(rows: Any, spec: str) -> None:
                     f"Data {spec!r}: row {i} (counting from 0) has the score {value!r}, which is not a number. Write a "
                     "number there or drop the row."
                 )
-            if column in _TEXT_COLUMNS and not isinstance(value, str):  # a number would be embedded as its digits
+            text_column = column in _TEXT_COLUMNS or HARD_NEGATIVE.fullmatch(column)
+            if text_column and not isinstance(value, str):  # a number would be embedded as its digits
+                columns_json = isinstance(value, list) and len(rows) == 1
+                fix = (
+                    "The file holds one object of columns ({column: [values]}); write one JSON object per row "
+                    "(JSON lines) instead."
+                    if columns_json
+                    else "Write it as a string (in quotes, for JSON) or drop the row."
+                )
                 raise ValueError(
-                    f"Data {spec!r}: row {i} (counting from 0) has {type(value).__name__} {value!r} in {column!r}, "
-                    "which holds texts. Write it as a string (in quotes, for JSON) or drop the row."
+                    f"Data {spec!r}: row {i} (counting from 0) has {type(value).__name__} {_shown(value)} in "
+                    f"{column!r}, which holds texts. {fix}"
                 )
             if column == "messages":
-                _check_turns(value, i, spec)
+                _check_turns(value, i, spec, column)
+            if column in ("prompt", "completion"):  # a text, or TRL's conversational form: a list of turns
+                if isinstance(value, list):
+                    _check_turns(value, i, spec, column)
+                elif not isinstance(value, str):
+                    raise ValueError(
+                        f"Data {spec!r}: row {i} (counting from 0) has {type(value).__name__} {_shown(value)} in "
+                        f"{column!r}, which holds a text or a list of chat turns. Write it as a string or drop the row."
+                    )
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to a line: a whole column read as one cell was quoted in full (490,000 characters)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _is_number(text: str) -> bool:
@@ -208,14 +280,14 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _check_turns(messages: list, row: int, spec: str) -> None:
+def _check_turns(messages: list, row: int, spec: str, column: str) -> None:
     """Refuse a chat turn without a role or with empty content (a system prompt and a tool call may have none):
     trained on, it is a turn of nothing; scored, a last turn of no tokens."""
     for j, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ValueError(
-                f"Data {spec!r}: row {row} (counting from 0), turn {j} is {str(message)[:60]!r}; every turn of "
-                "'messages' is a {'role': ..., 'content': ...} object."
+                f"Data {spec!r}: row {row} (counting from 0), turn {j} of {column!r} is {str(message)[:60]!r}; every "
+                "chat turn is a {'role': ..., 'content': ...} object."
             )
         content = message.get("content")
         blank = content is None or (
@@ -223,8 +295,8 @@ def _check_turns(messages: list, row: int, spec: str) -> None:
         )
         if blank and message["role"] != "system" and not message.get("tool_calls"):  # a tool call has no content
             raise ValueError(
-                f"Data {spec!r}: row {row} (counting from 0), turn {j} ({message['role']!r}) has empty content "
-                f"({content!r}). Fill it in or drop the row."
+                f"Data {spec!r}: row {row} (counting from 0), turn {j} of {column!r} ({message['role']!r}) has empty "
+                f"content ({content!r}). Fill it in or drop the row."
             )
 
 
@@ -233,9 +305,17 @@ def _select(rows: Any, task: str, spec: str) -> Any:
         if set(columns) <= set(rows.column_names):
             if task == "contrastive" and columns != ("text",):  # a text paired with itself: a label does not matter
                 refuse_graded_pairs(rows.column_names, f"Data {spec!r}")  # select_columns would drop it unseen
+            if columns[:2] == ("anchor", "positive"):  # every hard negative, not only one called "negative"
+                columns += tuple(c for c in rows.column_names if c not in columns and HARD_NEGATIVE.fullmatch(c))
             return rows.select_columns(list(columns))
     wanted = " or ".join("(" + ", ".join(c) + ")" for c in COLUMNS[task])
-    raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.")
+    hint = (
+        " 'conversations' of {'from': ..., 'value': ...} turns is the ShareGPT layout: rename it to 'messages' of "
+        "{'role': ..., 'content': ...} turns (roles system, user, assistant)."
+        if "conversations" in rows.column_names
+        else ""
+    )
+    raise ValueError(f"Data {spec!r} has columns {rows.column_names}; {task!r} needs columns {wanted}.{hint}")
 
 
 def refuse_graded_pairs(columns: list[str], what: str, fix: str = "") -> None:
@@ -258,7 +338,7 @@ def texts_of(rows: Any) -> list[str]:
         return [str(t) for t in rows[column]]
     texts = []
     for i, messages in enumerate(rows["messages"]):
-        user = [m["content"] for m in messages if m.get("role") == "user"]
+        user = [_text(m["content"]) for m in messages if m.get("role") == "user"]
         if not user:
             roles = [m.get("role") for m in messages]
             raise ValueError(
@@ -267,6 +347,13 @@ def texts_of(rows: Any) -> list[str]:
             )
         texts.append(user[0])
     return texts
+
+
+def _text(content: Any) -> Any:
+    """A turn's text: its content, or the text parts of content given as parts ([{"type": "text", "text": ...}])."""
+    if not isinstance(content, list):
+        return content
+    return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
 def contrastive_pairs(rows: Any) -> Any:

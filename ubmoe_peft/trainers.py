@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .data import refuse_graded_pairs
+from .architectures import attention_module, decoder_layers
+from .data import HARD_NEGATIVE, refuse_graded_pairs
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, AdapterMismatchError, read_json_config
 from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
 
@@ -180,6 +183,15 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
         default=BatchSamplers.NO_DUPLICATES,
         metadata={"help": "Default 'no_duplicates': a repeated text in a batch would be a false negative."},
     )
+    attention_dropout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dropout on the attention weights while training (the base's own attention dropout, set for "
+            "train() and restored after; evaluation runs without). Unsupervised SimCSE, each text paired with itself, "
+            "needs it: the two views differ only by dropout, and a fresh LoRA expert's own dropout changes nothing "
+            "until its B weights grow. None: 0, or 0.1 (SimCSE's) for text-only data on the command line."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.prompt in ("none", "None", ""):  # command-line spelling of "no prompt"
@@ -191,6 +203,13 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
             raise ValueError(
                 f"max_length={self.max_length!r} must be a positive number of tokens (e.g. 128): stage 1 embeds texts "
                 "truncated to it, so it has no 'no limit' value (RouterConfig's None)."
+            )
+        dropout = self.attention_dropout
+        if dropout is not None and (
+            isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1
+        ):
+            raise ValueError(
+                f"attention_dropout={dropout!r} must be a probability in [0, 1) (SimCSE's is 0.1), or None."
             )
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
             raise ValueError(f"scale={self.scale!r} must be a positive number, the loss's inverse temperature (as 20)")
@@ -234,7 +253,8 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             raise ValueError(
                 f"ContrastiveTrainer's train_dataset has the one column {columns}; the contrastive loss needs text "
                 "pairs (anchor, positive[, negative]). For unsupervised SimCSE, pair each text with itself: "
-                "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column (LoRA expert with lora_dropout > 0)."
+                "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column, and train with "
+                "ContrastiveConfig(attention_dropout=0.1), since the two views differ only by dropout."
             )
         args = args or ContrastiveConfig()
         if not isinstance(args, ContrastiveConfig):
@@ -280,7 +300,8 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         # Stage again when training starts, not only when the trainer is made: another trainer (stage 2) or a
         # set_mode made since then would leave this one training nothing, silently (the optimizer is built here).
         set_stage(self.peft_model, "contrastive")
-        return super().train(*args, **kwargs)
+        with attention_dropout(self.peft_model, self.args.attention_dropout or 0.0):
+            return super().train(*args, **kwargs)
 
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         """Load a checkpoint of this run (``train(resume_from_checkpoint=...)``, ``load_best_model_at_end``) into the
@@ -301,11 +322,37 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
 
 
+@contextmanager
+def attention_dropout(model: nn.Module, p: float) -> Iterator[None]:
+    """Set the attention dropout of every decoder layer of ``model`` to ``p`` in the block (transformers' attention
+    modules read their ``attention_dropout`` at each training forward), and restore it after."""
+    if not p:
+        yield
+        return
+    modules = [attention_module(layer) for _, layer in decoder_layers(model)]
+    lacking = [m for m in modules if not isinstance(getattr(m, "attention_dropout", None), (int, float))]
+    if not modules or lacking:
+        kind = type(lacking[0]).__name__ if lacking else "no decoder layers"
+        raise ValueError(
+            f"ContrastiveConfig(attention_dropout={p}) sets the attention dropout of each decoder layer, but this "
+            f"model's attention ({kind}) has no 'attention_dropout' to set. Use attention_dropout=None and text pairs "
+            "(anchor, positive) rather than texts paired with themselves."
+        )
+    saved = [m.attention_dropout for m in modules]
+    for module in modules:
+        module.attention_dropout = p
+    try:
+        yield
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.attention_dropout = value
+
+
 def _check_text_columns(dataset: Any, columns: list[str], what: str) -> None:
     """The in-batch-negatives loss embeds every column (sentence-transformers' rule): a number failed deep in the
     tokenizer without naming its column, and a metadata column (a source) became one more hard negative, silently (a
     constant one made the no-duplicates sampler yield batches of one row). More than three text columns can be real
-    hard negatives, so those are named in a warning."""
+    hard negatives, so those are named in a warning, unless they are named as such (negative, negative_1...)."""
     features = getattr(dataset, "features", None) or {}
     kinds = {c: getattr(features.get(c), "dtype", None) for c in columns}
     not_text = [
@@ -318,7 +365,7 @@ def _check_text_columns(dataset: Any, columns: list[str], what: str) -> None:
             f"in-batch-negatives loss embeds every column, the third and later ones as hard negatives. Keep the text "
             f"columns: {keep}."
         )
-    if len(columns) > 3:
+    if len(columns) > 3 and not all(HARD_NEGATIVE.fullmatch(c) for c in columns[2:]):  # negative_1...: named so
         warnings.warn(
             f"{what} has {len(columns)} columns {columns}: the default in-batch-negatives loss embeds every column, "
             f"{columns[2:]} as hard negatives. If one of them is not a text to embed (a source, an id), keep the text "
