@@ -942,6 +942,24 @@ def test_a_base_with_offloaded_ffn_weights_is_refused_before_any_change():
     assert not any(isinstance(m, UBMoELayer) for m in base.modules())
 
 
+def test_loading_onto_a_base_with_disk_offloaded_layers_is_refused_before_any_change(tmp_path):
+    """PEFT's loader moves disk-offloaded weights by LoRA-style layer names: onto a base whose attention (not FFN) of
+    one layer sits on disk, loading a UBMoE adapter failed with a bare KeyError, after wrapping the base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    get_peft_model(tiny_model("llama"), UBMoEConfig()).save_pretrained(tmp_path / "adapter")
+    on_disk = {"model.layers.1.self_attn": "disk"}
+    kept = ["model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head", "model.layers.0", "model.layers.1.mlp"]
+    kept += ["model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm"]
+    device_map = {**dict.fromkeys(kept, "cpu"), **on_disk}
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", device_map=device_map, offload_folder=tmp_path / "o")
+    with pytest.raises(ValueError, match="into a model with layers offloaded to disk .*device_map='cpu'"):
+        PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+
+
 @pytest.mark.parametrize("lora_targets", [["q_proj", "v_proj"], ["gate_proj", "up_proj", "down_proj"]])
 def test_a_base_holding_another_peft_methods_layers_is_refused_and_left_intact(lora_targets, tmp_path):
     """Wrapping a LoRA model's base was accepted: the experts took LoRA's own modules for FFN projections, the save

@@ -73,6 +73,32 @@ def test_numpy_and_pandas_texts_are_read_as_lists(model, tokenizer):
         assert attention_dependence(model, tokenizer, texts, mode="bi", batch_size=2).average == pytest.approx(expected)
 
 
+def test_generation_between_its_batches_runs_in_the_models_own_mode(model, tokenizer, monkeypatch):
+    """attention_dependence(mode="bi") held mode bi and eager attention model-wide for its whole run: a thread
+    generating meanwhile failed ("Cannot generate ... in mode 'bi'"), and a plain forward ran silently in mode bi."""
+    import threading
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    generated: list = []
+    tokenize = type(tokenizer).__call__
+    calls = []
+
+    def tokenize_then_generate(self, *args, **kwargs):  # between two batches, another thread generates
+        calls.append(1)
+        if len(calls) == 2:
+            thread = threading.Thread(
+                target=lambda: generated.append(model.generate(input_ids=ids, max_new_tokens=3, do_sample=False))
+            )
+            thread.start()
+            thread.join(30)
+        return tokenize(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", tokenize_then_generate)
+    attention_dependence(model, tokenizer, TEXTS[:2], mode="bi", batch_size=1)
+    assert len(generated) == 1 and torch.equal(generated[0], expected)
+
+
 def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
     with pytest.raises(ValueError, match=r"texts\[1\] is '' \(2 such texts\): every text must be non-empty"):
         attention_dependence(model, tokenizer, [w(5, 6), "", "  "])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import batch, perturb_adapters, tiny_model, w
@@ -63,6 +65,9 @@ def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, exp
     assert experts and changed == experts  # every expert parameter moved; router and base did not
     assert ubmoe_peft.get_mode(model) == "bi"
     assert trainer.sentence_transformer[0].prompt == w(20) + " {text}"
+    assert trainer.loss.gather_across_devices is False
+    gathered = ContrastiveConfig(output_dir=str(tmp_path), gather_across_devices=True, **QUIET)
+    assert ContrastiveTrainer(model, tokenizer, args=gathered, train_dataset=_pairs()).loss.gather_across_devices
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
 
 
@@ -443,3 +448,56 @@ def test_config_defaults_are_the_papers_and_run_on_cpu(tmp_path):
     assert ContrastiveConfig(output_dir=str(tmp_path), prompt="none").prompt is None  # the command line's spelling
     stage2 = RouterConfig(output_dir=str(tmp_path))  # TRL's own default (bf16 on) fails on a CPU-only machine
     assert stage2.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+DDP_RUN = """
+import json, sys
+import torch.distributed as dist
+from datasets import Dataset
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from ubmoe_peft import ContrastiveConfig, ContrastiveTrainer, RouterConfig, RouterTrainer
+
+folder, out = sys.argv[1], sys.argv[2]
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), folder + "/adapter", is_trainable=True)
+quiet = dict(report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="no")
+rows = Dataset.from_json(folder + "/chats.jsonl")
+args = RouterConfig(output_dir=out + "/router", per_device_eval_batch_size=1, max_length=32, **quiet)
+share = RouterTrainer(model, args=args, train_dataset=rows, processing_class=tokenizer).evaluate(rows)
+stage1 = ContrastiveConfig(output_dir=out + "/contrastive", max_steps=2, per_device_train_batch_size=2,
+                           ddp_find_unused_parameters=False, **quiet)
+ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=Dataset.from_json(folder + "/pairs.jsonl")).train()
+json.dump(share["eval_bi_share"], open(f"{out}/rank{dist.get_rank()}.json", "w"))
+dist.destroy_process_group()  # else gloo's threads may end the process with "terminate called" at exit
+"""
+
+
+def test_two_processes_log_the_bi_share_of_all_and_train_stage_1_with_an_lm_head(tokenizer, tmp_path):
+    """Under DDP, bi_share was rank 0's own tokens' (0.385 logged where the whole evaluation routed 0.519); an LM
+    head in modules_to_save was trainable in stage 1, which never runs it: DDP with find_unused_parameters=False
+    stopped with "parameters that were not used in producing loss"."""
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "saved"
+    tiny_model().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model = get_peft_model(tiny_model(), UBMoEConfig(modules_to_save=["lm_head"]))
+    perturb_adapters(model, std=0.3)
+    model.save_pretrained(folder / "adapter")
+    chats = Dataset.from_dict({"text": [w(*range(3, 15)), w(*range(70, 82))]})
+    chats.to_json(folder / "chats.jsonl")
+    _pairs(8).to_json(folder / "pairs.jsonl")
+    args = RouterConfig(output_dir=str(tmp_path / "one"), per_device_eval_batch_size=2, max_length=32, **QUIET)
+    expected = RouterTrainer(model, args=args, train_dataset=chats, processing_class=tokenizer).evaluate(chats)
+
+    script = tmp_path / "run.py"
+    script.write_text(DDP_RUN)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(folder)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shares = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert shares == pytest.approx([expected["eval_bi_share"]] * 2, abs=1e-6)

@@ -69,6 +69,15 @@ def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{path}.{i}" if path else str(i), layer) for i, layer in enumerate(best[1])]
 
 
+def backbone(model: nn.Module) -> nn.Module:
+    """The transformer body (no LM head) of the first transformers model inside ``model`` (itself, a PeftModel or a
+    SentenceTransformer holding one): what embedding runs, since it needs hidden states, not vocabulary logits."""
+    from transformers import PreTrainedModel
+
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
+    return getattr(inner, "base_model", inner)
+
+
 def default_ffn_target(model: nn.Module) -> str:
     """The FFN module name for ``model``: from the table, else the first fallback name its decoder layers have."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)

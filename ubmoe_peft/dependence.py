@@ -12,7 +12,7 @@ reported in percent, per layer averaged over texts, and on average over layers a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from torch import nn
 
 from .architectures import text_config
 from .evaluation import _evaluating, check_collection, check_sizes, check_tokenizer, input_device
-from .modes import use_mode
+from .modes import forward_in_mode
 
 KINDS = ("preceding", "self", "subsequent")
 
@@ -78,13 +78,15 @@ def attention_dependence(
     check_sizes(batch_size, max_length)
     device = input_device(model)
     totals: torch.Tensor | None = None  # (L, 3) sums over texts
-    switch = use_mode(model, mode) if mode is not None else nullcontext()
-    with switch, _eager_attention(model), _evaluating(model):  # eval: no dropout in the weights read
+    with _evaluating(model):  # eval: no dropout in the weights read
         for start in range(0, len(texts), batch_size):
             chunk = list(texts[start : start + batch_size])
             batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
             batch = {k: v.to(device) for k, v in batch.items()}
-            out = model(**batch, output_attentions=True)
+            # mode and eager attention per forward, under the model's forward lock: other threads' forwards (a
+            # generation) run before or after it in their own mode and attention
+            with forward_in_mode(model, mode), _eager_attention(model):
+                out = model(**batch, output_attentions=True)
             real = batch["attention_mask"].bool()  # (B, T)
             per_layer = []
             for layer_attn in out.attentions:  # each (B, H, T, T)

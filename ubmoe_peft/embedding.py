@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .architectures import backbone
 from .evaluation import check_tokenizer
-from .modes import get_mode, mode_state, ubmoe_layers, use_mode
+from .modes import forward_in_mode, get_mode, ubmoe_layers
 from .tuners.ubmoe.state import MODES
 
 try:
@@ -27,12 +28,6 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "to_sentence_transformer needs sentence-transformers: install it with `pip install ubmoe-peft[train]`."
     ) from err
-
-
-def _backbone(model: nn.Module) -> nn.Module:
-    """The transformer body (no LM head): embedding needs hidden states, not vocabulary logits."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(inner, "base_model", inner)
 
 
 def check_prompt(prompt: str | None) -> None:
@@ -174,13 +169,13 @@ class UBMoEEncoder(InputModule):
             )
         # The switch to mode bi and back happens while this thread holds the model's forward lock: a thread that
         # generates meanwhile waits for its next forward instead of running it in mode bi (ModeState)
-        with mode_state(self.model).forward_lock, use_mode(self.model, self.mode):
-            out = _backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
+        with forward_in_mode(self.model, self.mode):
+            out = backbone(self.model)(input_ids=features["input_ids"], attention_mask=features["attention_mask"])
         features["token_embeddings"] = out.last_hidden_state  # (B, T, C)
         return features
 
     def get_embedding_dimension(self) -> int:
-        return _backbone(self.model).config.hidden_size
+        return backbone(self.model).config.hidden_size
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         """Saves the adapter that embeds (the active one; not the base model), the tokenizer and this module's

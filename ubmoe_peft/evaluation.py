@@ -15,13 +15,13 @@ import operator
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from .modes import get_mode, ubmoe_layers, use_mode
+from .modes import forward_in_mode, get_mode, ubmoe_layers
 
 
 def sts_spearman(
@@ -212,9 +212,15 @@ def input_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def _continuation_logprobs(
-    model: nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, batch_size: int, max_length: int
+    model: nn.Module,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    batch_size: int,
+    max_length: int,
+    mode: str | None = None,
 ) -> list[tuple[float, int]]:
-    """(sum of log p(continuation | context), continuation length) per pair; long inputs lose their left end."""
+    """(sum of log p(continuation | context), continuation length) per pair, each forward in ``mode`` (None: the
+    model's); long inputs lose their left end."""
     device = input_device(model)
     out: list[tuple[float, int]] = []
     for start in range(0, len(pairs), batch_size):
@@ -227,7 +233,8 @@ def _continuation_logprobs(
         for row, seq in enumerate(seqs):
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()  # (B, T, V)
+        with forward_in_mode(model, mode):  # per forward: other threads' forwards keep their own mode
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()  # (B, T, V)
         logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V): position t predicts token t+1
         targets = logprobs.gather(-1, ids[:, 1:].to(device).unsqueeze(-1)).squeeze(-1)  # (B, T-1)
         for row, seq in enumerate(seqs):
@@ -260,12 +267,6 @@ def check_scoring_mode(mode: str | None) -> None:
 def _check_mode(model: nn.Module, mode: str | None) -> None:
     """`check_scoring_mode` of ``mode``, or of the model's current mode when None."""
     check_scoring_mode(mode or (get_mode(model) if ubmoe_layers(model) else None))
-
-
-def _in_mode(model: nn.Module, mode: str | None):
-    """Run in ``mode`` (None: the current one), refusing mode bi (`check_scoring_mode`)."""
-    _check_mode(model, mode)
-    return use_mode(model, mode) if mode is not None else nullcontext()
 
 
 def lm_loss(
@@ -424,5 +425,6 @@ def _score(
 ) -> list[tuple[float, int]]:
     """`_continuation_logprobs` in eval mode and in ``mode``; the model's training flag and mode are restored."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with _evaluating(model), _in_mode(model, mode):
-        return _continuation_logprobs(model, pairs, int(pad or 0), batch_size, max_length)
+    _check_mode(model, mode)
+    with _evaluating(model):
+        return _continuation_logprobs(model, pairs, int(pad or 0), batch_size, max_length, mode)

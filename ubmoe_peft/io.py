@@ -367,6 +367,7 @@ def _wrap_from_pretrained(original: Any) -> Any:
         # Without config=, PEFT builds the adapter from the folder's own config: there is nothing to compare (files
         # saved before a setting existed would differ from the defaults filled in, and load fine)
         config = args[2] if len(args) > 2 else kwargs.get("config")  # after adapter_name and is_trainable
+        _refuse_disk_offload(model, model_id, _local_folder(model_id, kwargs.get("subfolder")))  # before any change
         token = _OWN_CONFIG.set(config is None)
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
@@ -389,6 +390,7 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             existing = self.peft_config.get(adapter_name)
             folder = _local_folder(model_id, kwargs.get("subfolder"))
+            _refuse_disk_offload(self, model_id, folder)
             ubmoe = getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None
             if ubmoe and not own_config and is_ubmoe_folder(folder):
                 _check_same_settings(existing, folder, adapter_name)
@@ -398,6 +400,19 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
 
     load_adapter._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return load_adapter
+
+
+def _refuse_disk_offload(model: Any, model_id: Any, folder: str | None) -> None:
+    """PEFT's loader moves disk-offloaded weights by the names of LoRA-style layers, which stand in place of their
+    target module: a UBMoE layer replaces the whole FFN, and loading onto such a base failed with a bare KeyError."""
+    offloaded = "disk" in set((getattr(model, "hf_device_map", None) or {}).values())
+    if offloaded and folder is not None and is_ubmoe_folder(folder):
+        raise ValueError(
+            f"Cannot load the UBMoE adapter {model_id!r} into a model with layers offloaded to disk (a device_map "
+            "with 'disk' entries): PEFT's loader cannot place a UBMoE adapter's weights there (its LoRA fails on such "
+            "a base too). Load the base with every layer in memory (device_map='cpu' or one GPU), load the adapter, "
+            "and offload afterwards if you must (accelerate.disk_offload)."
+        )
 
 
 def _check_same_settings(existing: Any, folder: str, adapter_name: str) -> None:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
+from .architectures import backbone
 from .tuners.ubmoe.layer import UBMoELayer
 from .tuners.ubmoe.state import MODES, ModeState, RoutingTally, superseded_error
 
@@ -85,7 +86,9 @@ def set_stage(model: nn.Module, stage: str) -> None:
     """Prepare a training stage: ``"contrastive"`` (mode bi, only the bi experts train) or ``"router"`` (mode moe,
     only the routers train). Every other parameter of the model is frozen, except the active adapter's
     ``modules_to_save`` copies (PEFT's option: modules the user asked to train and save in full), which train in
-    both stages."""
+    the stages that run them: both for those in the transformer body (embeddings, a norm), stage router only for
+    those after it (the LM head), since embedding runs the body alone (trainable and unused, the head failed
+    DDP's check for unused parameters)."""
     if not isinstance(stage, str) or stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}: use one of {list(STAGES)}.")
     mode_state(model)  # refuses a model without UBMoE layers, or a superseded one, before anything is frozen
@@ -99,10 +102,23 @@ def set_stage(model: nn.Module, stage: str) -> None:
         params = layer.expert_parameters(adapter) if stage == "contrastive" else layer.router_parameters(adapter)
         for param in params:
             param.requires_grad_(True)
-    for module in model.modules():
+    used = backbone(model).modules() if stage == "contrastive" else model.modules()
+    for module in used:
         if isinstance(module, ModulesToSaveWrapper) and adapter in module.modules_to_save:
             module.modules_to_save[adapter].requires_grad_(True)
     set_mode(model, STAGES[stage])
+
+
+@contextmanager
+def forward_in_mode(model: nn.Module, mode: str | None) -> Iterator[None]:
+    """Run the block (one forward) in ``mode`` (None: the current one) while holding ``model``'s forward lock: a
+    forward of another thread then runs before or after it in its own mode, as with the embedding model. A model
+    without UBMoE layers just runs the block."""
+    if mode is None and not ubmoe_layers(model):
+        yield
+        return
+    with mode_state(model).forward_lock, use_mode(model, mode) if mode is not None else nullcontext():
+        yield
 
 
 def routing_stats(model: nn.Module) -> dict[int, float] | None:
@@ -118,13 +134,15 @@ def track_routing(model: nn.Module) -> Iterator[RoutingTally]:
     over layers. `routing_stats` keeps only the last forward."""
     state = mode_state(model)
     tally = RoutingTally()
-    state.tally()  # open blocks get the last forward's routing now; the new block starts from the next forward
-    state.tallies.append(tally)
-    state._tallied = state.routing
+    with state.forward_lock:  # between forwards: a forward running in another thread fills its routing layer by layer
+        state.tally()  # open blocks get the last forward's routing now; the new block starts from the next forward
+        state.tallies.append(tally)
+        state._tallied = state.routing
     try:
         yield tally
     finally:
-        state.tally()  # the block's last forward
-        state.tallies.remove(tally)
-        if not state.tallies:
-            state._tallied = None  # keep no routing tensors alive for nothing
+        with state.forward_lock:
+            state.tally()  # the block's last forward
+            state.tallies.remove(tally)
+            if not state.tallies:
+                state._tallied = None  # keep no routing tensors alive for nothing

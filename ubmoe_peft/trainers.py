@@ -26,7 +26,7 @@ from torch import nn
 from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, AdapterMismatchError, read_json_config
-from .modes import routing_stats, set_stage, ubmoe_layers, use_mode
+from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 
 try:
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -183,6 +183,14 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
         default=BatchSamplers.NO_DUPLICATES,
         metadata={"help": "Default 'no_duplicates': a repeated text in a batch would be a false negative."},
     )
+    gather_across_devices: bool = field(
+        default=False,
+        metadata={
+            "help": "With several processes (DDP), give each pair the other processes' texts as negatives too (the "
+            "default loss's option): then N processes x B pairs train as one batch of N x B, as on one device. "
+            "Without it each process's negatives are its own B pairs'."
+        },
+    )
     attention_dropout: float | None = field(
         default=None,
         metadata={
@@ -284,7 +292,9 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                         fix = "Pass a loss that reads it (e.g. loss=sentence_transformers.losses.CoSENTLoss), or: "
                         refuse_graded_pairs(columns, what, fix)
                         _check_text_columns(dataset, columns, what)
-            loss = MultipleNegativesRankingLoss(self.sentence_transformer, scale=args.scale)
+            loss = MultipleNegativesRankingLoss(
+                self.sentence_transformer, scale=args.scale, gather_across_devices=args.gather_across_devices
+            )
         else:
             _check_loss_model(loss, self.sentence_transformer)
         super().__init__(
@@ -426,8 +436,8 @@ class RouterTrainer(SFTTrainer):
 
     Takes what `SFTTrainer` takes (chat ``messages``, prompt/completion or ``text`` datasets) except ``peft_config``:
     the model is already a UBMoE model. Logs ``bi_share``, the mean share of tokens routed to the bidirectional
-    expert over the layers, averaged over the logging interval's forwards (micro-batches), each counted alike, as
-    TRL averages its own per-batch metrics.
+    expert over the layers (every process's tokens counted), averaged over the logging interval's forwards
+    (micro-batches), each counted alike, as TRL averages its own per-batch metrics.
     """
 
     def __init__(self, model: nn.Module, args: RouterConfig | None = None, **kwargs: Any) -> None:
@@ -504,8 +514,12 @@ class RouterTrainer(SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        shares = routing_stats(self.model)
-        if shares:
+        counts = mode_state(self.model).counts()
+        if counts:
+            # Summed over processes, as TRL reduces its own metrics: each rank routed only its share of the batch
+            local = torch.tensor([counts[layer] for layer in sorted(counts)], device=self.accelerator.device)  # (L, 2)
+            summed = self.accelerator.gather(local).view(-1, *local.shape).sum(0)  # (L, 2)
+            shares = summed[:, 0] / summed[:, 1].clamp(min=1.0)  # (L,)
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["bi_share"].append(sum(shares.values()) / len(shares))
+            self._metrics[mode]["bi_share"].append(float(shares.mean()))
         return result

@@ -179,16 +179,18 @@ class UBMoEModel(BaseTuner):
         return (state.mode if state.adapters_enabled else "adapters disabled", tuple(self.active_adapters))
 
     def _after_backbone(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._ubmoe_state.unlock_forward()  # also when the forward raised (always_call)
-        # The plain dict lookup: transformers 5 names it `cache` and warns on any access by the older name
-        if not isinstance(output, dict):
-            return
-        cache = dict.get(output, "cache", dict.get(output, "past_key_values"))
-        if cache is not None and getattr(cache, "_ubmoe_filled_in", None) is None:
-            try:
-                cache._ubmoe_filled_in = self._cache_tag()
-            except AttributeError:  # a cache type without attributes: unchecked
-                pass
+        # The cache is tagged with the mode before the lock goes: a thread waiting for it (an embedding call) could
+        # switch to mode bi in between, and the prefill's cache was tagged 'bi' (its next decode step refused it).
+        try:
+            # The plain dict lookup: transformers 5 names it `cache` and warns on any access by the older name
+            cache = dict.get(output, "cache", dict.get(output, "past_key_values")) if isinstance(output, dict) else None
+            if cache is not None and getattr(cache, "_ubmoe_filled_in", None) is None:
+                try:
+                    cache._ubmoe_filled_in = self._cache_tag()
+                except AttributeError:  # a cache type without attributes: unchecked
+                    pass
+        finally:
+            self._ubmoe_state.unlock_forward()  # also when the forward raised (always_call)
 
     def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._ubmoe_state

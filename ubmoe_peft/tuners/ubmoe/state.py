@@ -150,9 +150,14 @@ class ModeState:
     def shares(self) -> dict[int, float] | None:
         """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
         last = RoutingTally()  # one forward's tally: the share is computed in one place
-        for layer, (routed, real) in (self._sums() or {}).items():
+        for layer, (routed, real) in (self.counts() or {}).items():
             last.add(layer, routed, real)
         return last.shares()
+
+    def counts(self) -> dict[int, tuple[float, float]] | None:
+        """{layer index: (tokens sent to bi, real tokens)} of the last mode-moe forward, or None."""
+        with self.forward_lock:  # a forward running in another thread fills its routing layer by layer
+            return self._sums()
 
     def tally(self) -> None:
         """Add the last mode-moe forward's routing to every open `track_routing` block, once."""
