@@ -1,8 +1,14 @@
 """Question 2: does greedy decoding with a KV cache in mode moe keep the base model's tokens/s?
 
-Base model against UBMoE LoRA and copy experts (top-1, routers steered to send the tokens from one half of the
-vocabulary, about 50%, to the bi expert), batch 1 and batch 8, exactly ``--new-tokens`` new tokens per sequence, each
-through ``model.generate`` (greedy, KV cache).
+Base model against UBMoE LoRA and copy experts (top-1, routers steered to send the tokens from the lower half of the
+vocabulary to the bi expert), batch 1 and batch 8, exactly ``--new-tokens`` new tokens per sequence, each through
+``model.generate`` (greedy, KV cache). Left to itself, greedy decoding of the random model repeats one token, so the
+share routed to bi would be whatever that token's half gives (none at batch 1). Every model therefore runs with the
+same logits processor (`ForcedTokens`, equal cost for all), which makes step s emit a fixed pseudo-random token,
+half of each sequence's from each vocabulary half: the prompt and the decode steps send about 50% of their tokens to
+bi at every batch size, whatever the model computes. The "bi share" of a row is the share achieved, measured
+(`decode_share`). With ``--adapters`` (the real model, its trained routers), nothing is forced: routing follows the
+text the model generates, as it would in use.
 
 The three generations of a round run in lockstep: each runs in its own thread, and a stopping criterion (called by
 ``generate`` once per step, after the step's token is chosen) hands the turn to the next model, so only one model
@@ -40,7 +46,7 @@ from common import (
     wrap,
 )
 from torch import nn
-from transformers import StoppingCriteria
+from transformers import LogitsProcessor, StoppingCriteria
 
 import ubmoe_peft
 from ubmoe_peft.tuners.ubmoe import layer as layer_module
@@ -62,6 +68,29 @@ class HandOver(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         self.handover()
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # never stops
+
+
+class ForcedTokens(LogitsProcessor):
+    """Makes decode step s of a ``prompt``-token input choose ``schedule[:, s]`` whatever the model's logits: every
+    other token's score becomes -inf, so greedy search picks the scheduled one."""
+
+    def __init__(self, schedule: torch.Tensor, prompt: int) -> None:
+        self.schedule, self.prompt = schedule, prompt  # (B, N) token ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt
+        return torch.full_like(scores, -torch.inf).scatter_(1, self.schedule[:, step, None], 0.0)  # (B, V)
+
+
+def token_schedule(model: nn.Module, batch: int, steps: int, device: str) -> torch.Tensor:
+    """The tokens `ForcedTokens` makes every model emit: (B, N), exactly half of each row from the lower vocabulary
+    half (the tokens the steered routers send to bi), in a pseudo-random order, and no end-of-sequence id."""
+    schedule = token_batch(batch, steps, model.config.vocab_size, device, seed=2)  # (B, N)
+    eos = model.generation_config.eos_token_id
+    ends = torch.tensor([] if eos is None else eos, dtype=torch.long, device=device).flatten()
+    # An end-of-sequence id would end its row early; its neighbour id ^ 1 stands in, from the same vocabulary half
+    # (which starts at an even id). `generate` checks afterwards that every row emitted exactly its schedule.
+    return torch.where(torch.isin(schedule, ends), schedule ^ 1, schedule)
 
 
 def general_path_control(model: nn.Module) -> nn.Module:
@@ -226,15 +255,23 @@ def main() -> None:
 
     rows = []
     for batch in args.batches:
+        schedule = None
         if args.adapters:
             ids, mask = chat_prompts(batch, args.device)  # (B, P), left-padded real questions
         else:
             ids = token_batch(batch, args.prompt, models["base"].config.vocab_size, args.device)  # (B, P)
             mask = torch.ones_like(ids)  # (B, P)
+            schedule = token_schedule(models["base"], batch, args.new_tokens, args.device)  # (B, N)
 
         def generate(
-            model: nn.Module, criteria: list | None = None, ids: torch.Tensor = ids, mask: torch.Tensor = mask
+            model: nn.Module,
+            criteria: list | None = None,
+            logits: bool = False,
+            ids: torch.Tensor = ids,
+            mask: torch.Tensor = mask,
+            schedule: torch.Tensor | None = schedule,
         ) -> Any:
+            """The generated ids (B, P + N), or with ``logits`` the logits of each step before processing (B, N, V)."""
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=ids,
@@ -244,16 +281,22 @@ def main() -> None:
                     min_new_tokens=args.new_tokens,
                     pad_token_id=0,
                     use_cache=True,
+                    logits_processor=None if schedule is None else [ForcedTokens(schedule, ids.shape[1])],
                     stopping_criteria=criteria,
+                    output_logits=logits,
+                    return_dict_in_generate=logits,
                 )
-            if out.shape[1] != ids.shape[1] + args.new_tokens:
-                raise RuntimeError(f"generated {out.shape[1] - ids.shape[1]} tokens, not {args.new_tokens}")
-            return out
+            tokens = out.sequences if logits else out
+            if tokens.shape[1] != ids.shape[1] + args.new_tokens:
+                raise RuntimeError(f"generated {tokens.shape[1] - ids.shape[1]} tokens, not {args.new_tokens}")
+            if schedule is not None and not torch.equal(tokens[:, ids.shape[1] :], schedule):
+                raise RuntimeError("a row did not emit the forced token schedule")
+            return torch.stack(out.logits, dim=1) if logits else tokens
 
         shares = {k: decode_share(m, lambda m=m: generate(m)) for k, m in models.items() if k not in ("base", CONTROL)}
-        for twin, name in twins.items():  # the plan changes how, never what: the same tokens on both paths
-            if not torch.equal(generate(models[name]), generate(models[twin])):
-                raise RuntimeError(f"the {name} model generated other tokens with the decode plan than without it")
+        for twin, name in twins.items():  # the plan changes how, never what: the same logits on both paths
+            if not torch.equal(generate(models[name], logits=True), generate(models[twin], logits=True)):
+                raise RuntimeError(f"the {name} model computed other logits with the decode plan than without it")
         calls = {kind: lambda handover, m=model: generate(m, [HandOver(handover)]) for kind, model in models.items()}
         timings = {"": lockstep_times(calls, args.warmup, args.repeats, args.device)}
         if args.whole_repeats:
@@ -284,7 +327,9 @@ def main() -> None:
         "name": "decode",
         "machine": machine() | {"torch_threads": threads},
         "config": vars(args) | {"out": None, "layers": models["base"].config.num_hidden_layers},
-        "model": "SmolLM2-135M-Instruct with trained adapters" if args.adapters else "random, routers steered",
+        "model": "SmolLM2-135M-Instruct with trained adapters"
+        if args.adapters
+        else "random, routers steered, tokens forced",
         "timing": "generate() calls in lockstep; rows 'whole calls': whole generate() calls round-robin",
         "rows": rows,
     }

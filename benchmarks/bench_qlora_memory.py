@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, machine, pin_threads, rss_bytes  # noqa: E402
+from common import SHAPES, PeakRss, machine, pin_threads, rss_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.35
@@ -105,32 +104,6 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-def _hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-class _Sampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.stop = rss_bytes(), False
-
-    def run(self) -> None:
-        while not self.stop:
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
-
-
 def contrastive_step(model: nn.Module, optimizer: torch.optim.Optimizer, vocab: int, seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)  # (B, T)
@@ -165,18 +138,10 @@ def measure(shape: str, base: str, threads: int, layers: int | None = None) -> d
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    before = rss_bytes()
-    exact = _reset_peak()
-    sampler = None if exact else _Sampler()
-    if sampler is not None:
-        sampler.start()
-    step_start = time.perf_counter()
-    losses = [contrastive_step(model, optimizer, SHAPES[shape]["vocab_size"], seed) for seed in range(STEPS)]
-    step_seconds = (time.perf_counter() - step_start) / STEPS
-    if sampler is not None:
-        sampler.stop = True
-        sampler.join()
-    peak = _hwm_bytes() if exact else sampler.peak
+    with PeakRss() as peak:
+        step_start = time.perf_counter()
+        losses = [contrastive_step(model, optimizer, SHAPES[shape]["vocab_size"], seed) for seed in range(STEPS)]
+        step_seconds = (time.perf_counter() - step_start) / STEPS
     return {
         "shape": shape,
         "base": base,
@@ -185,8 +150,8 @@ def measure(shape: str, base: str, threads: int, layers: int | None = None) -> d
         "weights_total_bytes": weights["linear"] + weights["other"],
         "rss_after_build_bytes": rss_model,
         "adapter_bytes": sum(p.numel() * p.element_size() for p in trainable),
-        "training_peak_bytes": peak - before,
-        "peak_method": "VmHWM" if exact else "psutil sampling (1 ms)",
+        "training_peak_bytes": peak.peak - peak.before,
+        "peak_method": peak.method,
         "losses": losses,
         "seconds_per_step": step_seconds,
         "seconds_total": time.perf_counter() - start,

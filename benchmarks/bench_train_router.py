@@ -1,12 +1,15 @@
 """Question 4: does a stage-2 step (mode moe, only routers trainable) cost what a frozen base model's backward does?
 
-Baseline: the base model with every weight frozen, forward and backward of the causal LM loss (the input embeddings
-require grad so that the backward runs through every layer, as the routers' gradients must). UBMoE: LoRA and copy
-experts after ``set_stage(model, "router")`` with the routers steered to send 50% of tokens to the bi expert, the same
-loss, and an AdamW step whose state holds the routers only (checked: no optimizer state for frozen weights). Each
-expert runs with both router gradients: ``router_gradient="scale"`` (only the chosen expert runs: the base model's
-cost, target 1.05x) and the default ``"compare"`` (both experts run on every token so that the router learns which is
-better: about one more FFN pass, reported without a target).
+Baseline: the base model with every weight frozen, forward and backward of the causal LM loss. Its backward starts
+from layer 0's FFN output (made a tensor that requires grad), as deep as the routers' backward goes: the layer-0
+router needs the gradient at its FFN's output and nothing below it, since the layer's input requires no grad. Both
+backwards thus run through every layer above layer 0's FFN and into neither that FFN nor layer 0's attention; what
+the router step adds is the routers' own work. UBMoE: LoRA and copy experts after ``set_stage(model, "router")`` with
+the routers steered to send 50% of tokens to the bi expert, the same loss, and an AdamW step whose state holds the
+routers only (checked: no optimizer state for frozen weights). Each expert runs with both router gradients:
+``router_gradient="scale"`` (only the chosen expert runs: the base model's cost, target 1.05x) and the default
+``"compare"`` (both experts run on every token so that the router learns which is better: about one more FFN pass,
+reported without a target).
 """
 
 from __future__ import annotations
@@ -20,16 +23,18 @@ import torch
 from common import base_parser, build_model, set_share, token_batch, training_benchmark
 
 import ubmoe_peft
+from ubmoe_peft.architectures import decoder_layers
 
 
 def frozen_base(args: argparse.Namespace) -> Callable[[], float]:
     model = build_model(args.shape, args.layers, args.device, args.dtype).train()
     model.requires_grad_(False)
+    first_ffn = decoder_layers(model)[0][1].mlp
+    first_ffn.register_forward_hook(lambda _module, _args, out: out.detach().requires_grad_(True))  # (B, T, C)
     ids = token_batch(args.batch, args.seq, model.config.vocab_size, args.device)  # (B, T)
 
     def step() -> float:
-        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # (B, T, C)
-        loss = model(inputs_embeds=embeds, labels=ids, use_cache=False).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.item()
 

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -346,9 +345,57 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def peak_rss_bytes() -> int:
-    """The kernel's RSS high-water mark of this process (ru_maxrss, KiB on Linux): exact, no sampling gaps."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _reset_hwm() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: reset VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def _hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class _Sampler(threading.Thread):
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.stop = rss_bytes(), False
+
+    def run(self) -> None:
+        while not self.stop:
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(0.001)
+
+
+class PeakRss:
+    """This process's peak resident memory over a ``with`` block (``peak``, bytes) and its RSS on entry (``before``).
+
+    The kernel's high-water mark VmHWM, reset to the current RSS on entry (``/proc/self/clear_refs``), so the peak
+    covers the block alone: not the imports or a model build's transient copies, and not the parent's peak, which a
+    child started by subprocess inherits in ``getrusage``'s ru_maxrss across vfork+exec (every variant then read the
+    parent's figure). Where the reset is refused, psutil samples RSS every millisecond instead (``method`` says
+    which), which can miss a peak shorter than that."""
+
+    def __enter__(self) -> PeakRss:
+        self.before = rss_bytes()
+        self.exact = _reset_hwm()
+        self._sampler = None if self.exact else _Sampler()
+        if self._sampler is not None:
+            self._sampler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sampler is None:
+            self.peak = _hwm_bytes()
+        else:
+            self._sampler.stop = True
+            self._sampler.join()
+            self.peak = self._sampler.peak
+        self.method = "VmHWM" if self.exact else "psutil sampling (1 ms)"
 
 
 def child_memory(script: Path, args: list[str]) -> dict[str, Any]:
@@ -383,7 +430,12 @@ def training_benchmark(
     targets: dict[str, float],
 ) -> None:
     """Time each variant's training step against ``baseline`` (paired rounds) and measure each one's peak memory in a
-    fresh child process; ``targets`` maps a variant to its maximum ratio (time and memory alike)."""
+    fresh child process; ``targets`` maps a variant to its maximum ratio (time and memory alike).
+
+    A child's peak is its highest RSS during ``--memory-steps`` steps (`PeakRss`, entered once the model, adapters
+    and optimizer are built) minus its RSS after the script's imports: the weights and adapters the build left
+    resident (``built_mib`` in the row), plus what the steps add at their peak (optimizer state, gradients, saved
+    activations, temporaries). The build's own transients and the parent's memory do not count."""
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -392,11 +444,12 @@ def training_benchmark(
     args = parser.parse_args()
     threads = pin_threads(args.threads)
     if args.memory_child:
-        start = rss_bytes()
-        step = variants[args.variant](args)
-        for _ in range(args.memory_steps):
-            step()
-        print(json.dumps({"peak_bytes": peak_rss_bytes() - start, "start_bytes": start}))
+        start = rss_bytes()  # after this script's imports
+        step = variants[args.variant](args)  # builds the model, its adapters and optimizer: resident from here on
+        with PeakRss() as peak:  # optimizer state is allocated by the first step, inside the block
+            for _ in range(args.memory_steps):
+                step()
+        print(json.dumps({"peak_bytes": peak.peak - start, "built_bytes": peak.before - start, "method": peak.method}))
         return
 
     cases = [Case(variant, build(args)) for variant, build in variants.items()]
@@ -412,7 +465,9 @@ def training_benchmark(
         args.dtype,
     ]
     passthrough += [] if args.layers is None else ["--layers", str(args.layers)]
-    passthrough += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("batch", "seq")]
+    passthrough += [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in ("batch", "seq", "memory_steps")
+    ]
     memory = {variant: child_memory(script, [*passthrough, "--variant", variant]) for variant in variants}
     base = next(c for c in cases if c.name == baseline)
     base_ms = 1000 * statistics.median(base.times)
@@ -451,13 +506,17 @@ def training_benchmark(
                 mem_ratio,
                 target,
                 None if limit is None else mem_ratio <= limit,
+                built_mib=memory[case.name]["built_bytes"] / 2**20,
+                baseline_built_mib=memory[baseline]["built_bytes"] / 2**20,
             )
         )
     result = {
         "name": name,
         "machine": machine() | {"torch_threads": threads},
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "memory_child", "variant")},
-        "memory_method": "ru_maxrss of a fresh process per variant minus its RSS after imports",
+        "memory_method": f"{memory[baseline]['method']} of a fresh process per variant over --memory-steps="
+        f"{args.memory_steps} steps (reset after the build) minus its RSS after imports: weights, adapters, optimizer "
+        "state, gradients, activations",
         "rows": rows,
     }
     emit(result, args.out)
