@@ -273,6 +273,21 @@ def test_data_in_the_layouts_hub_datasets_have(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--data_config 'pair' names .* but 'shards' is a local folder without any"):
         load_rows("shards", "contrastive", config="pair")
 
+    Path("shards/README.md").write_bytes("---\n- a list, not a card\n---\nnotes caf\xe9".encode("latin-1"))
+    assert load_rows("shards", "contrastive").to_dict() == triplet  # a data folder's own notes: no dataset card
+    both = f"both-{tmp_path.name}"  # datasets caches a folder's builds under its name
+    DatasetDict({"train": Dataset.from_dict(triplet)}).save_to_disk(both)  # a card wins over a save beside it
+    (tmp_path / both / "triplet").mkdir()
+    pd.DataFrame(triplet).iloc[:1].to_parquet(tmp_path / both / "triplet" / "train-0.parquet")
+    card = "- config_name: triplet\n  data_files:\n  - split: train\n    path: triplet/train-*\n"
+    (tmp_path / both / "README.md").write_text(f"---\nconfigs:\n{card}---\n")
+    assert list(load_rows(both, "contrastive", config="triplet")["anchor"]) == [w(5, 6)]  # not the save's two rows
+    with pytest.raises(ValueError, match="BuilderConfig 'nope' not found"):  # was: the save's rows, silently
+        load_rows(both, "contrastive", config="nope")
+    pd.DataFrame(triplet).to_parquet("p.parquet")
+    Path("p.parquet.gz").write_bytes(gzip.compress(Path("p.parquet").read_bytes()))
+    with pytest.raises(ValueError, match="is a compressed Parquet file; decompress it first"):
+        load_rows("p.parquet.gz", "contrastive")
     with gzip.open("pairs.tsv.gz", "wt") as f:
         f.write("anchor\tpositive\tnegative_1\tnegative_2\n" + f"{w(5)}\t{w(6)}\t{w(7)}\t{w(8)}\n")
     assert load_rows("pairs.tsv.gz", "contrastive").column_names == ["anchor", "positive", "negative_1", "negative_2"]
@@ -304,6 +319,10 @@ def test_prompt_completion_cells_are_checked_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match=r"list \['.*\.\.\. in 'anchor'.* one object of columns") as error:
         load_rows(str(columns), "contrastive")
     assert len(str(error.value)) < 400
+    listed = tmp_path / "listed.jsonl"  # rows whose cell is a list: not one object of columns, whatever --max_rows
+    listed.write_text("".join(json.dumps({"anchor": [w(5), w(6)], "positive": w(7)}) + "\n" for _ in range(3)))
+    with pytest.raises(ValueError, match="in 'anchor', which holds texts. Write it as a string"):
+        load_rows(str(listed), "contrastive", limit=1)
 
 
 def test_export_refuses_a_folder_in_use_and_leaves_it_alone(files, tmp_path, tokenizer, monkeypatch):

@@ -240,6 +240,8 @@ def test_numpy_and_tensor_scores_and_labels_are_numbers(model, tokenizer):
 
     table = pd.DataFrame({"s1": s1, "s2": s2, "score": gold}, index=[4, 9, 2])
     assert sts_spearman(model, tokenizer, table["s1"], np.array(s2), table["score"]) == expected
+    with pytest.raises(TypeError, match="sentences1 is a set, which has no order"):  # pairs match by position
+        sts_spearman(model, tokenizer, set(s1), s2, gold)
     for scores, message in [
         (["1.0", "3.0", "5.0"], r"STS score 0 \(counting from 0\) is '1.0' \(str\); gold scores must be numbers"),
         ([1.0, float("nan"), 5.0], r"STS score 1 \(counting from 0\) is nan; gold scores must be finite"),

@@ -68,6 +68,8 @@ def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, exp
     assert trainer.loss.gather_across_devices is False
     gathered = ContrastiveConfig(output_dir=str(tmp_path), gather_across_devices=True, **QUIET)
     assert ContrastiveTrainer(model, tokenizer, args=gathered, train_dataset=_pairs()).loss.gather_across_devices
+    with pytest.raises(ValueError, match="gather_across_devices=True. sets the default loss's option, but a loss"):
+        ContrastiveTrainer(model, tokenizer, args=gathered, train_dataset=_pairs(), loss=losses.CoSENTLoss)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
 
 
@@ -96,6 +98,26 @@ def test_simcse_views_differ_from_the_first_step_with_attention_dropout(tokenize
     )
     ContrastiveTrainer(model, tokenizer, args=args, train_dataset=contrastive_pairs(_texts(16))).train()
     assert seen and set(seen) == {(0.1, True)}
+    assert attention.attention_dropout == 0.0
+    with attention_dropout(model, None):  # None: the model's own rate, as it is
+        assert attention.attention_dropout == 0.0
+
+
+def test_attention_dropout_skips_a_hybrids_layers_without_attention():
+    """A hybrid's state-space layers have no attention: SimCSE on Bamba was refused ("(NoneType) has no ...")."""
+    import transformers
+
+    from ubmoe_peft.trainers import attention_dropout
+
+    config = transformers.BambaConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
+        vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(config), UBMoEConfig())
+    attention = model.base_model.model.model.layers[1].self_attn
+    with attention_dropout(model, 0.1):
+        assert attention.attention_dropout == 0.1
     assert attention.attention_dropout == 0.0
 
 

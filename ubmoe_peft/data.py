@@ -15,7 +15,7 @@ from typing import Any
 DEMO_DATA = Path(__file__).parent / "demo_data"
 DEMO_FILES = {"contrastive": "triplets.jsonl", "sts": "sts.tsv", "sft": "chat.jsonl"}
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text", ".parquet": "parquet"}
-_COMPRESSED = (".gz", ".bz2", ".xz")  # datasets reads these compressions of any format, by the file name
+_COMPRESSED = (".gz", ".bz2", ".xz")  # datasets reads these compressions of text formats, by the file name
 _FORMATS = {"json": "JSON lines", "csv": "CSV / tab-separated with a header row", "text": "one text per line",
             "parquet": "Parquet"}  # fmt: skip
 
@@ -53,6 +53,8 @@ def load_rows(
         raise ValueError(f"Data file {spec!r} does not exist; check the path (relative to {Path.cwd()}).")
     if path.is_file():
         rows = _select_split({"train": _read_file(path)}, split, "a single data file")
+    elif card:
+        rows = _load_hub_dataset(spec, config, split)
     elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
         # One `Dataset.save_to_disk` folder, which load_dataset refuses: it holds one split, as a single file does,
         # and --split slices it the same way.
@@ -61,25 +63,33 @@ def load_rows(
         # A `DatasetDict.save_to_disk` folder: its own splits. load_dataset re-guessed them from the folder names
         # (train_sft and train_gen read as one "train"; validation_matched unreachable).
         rows = _select_split(dict(load_from_disk(str(path))), split, "a saved DatasetDict folder")
-    elif path.is_dir() and not card:
+    elif path.is_dir():
         rows = _select_split(_read_folder(path.absolute()), split, f"data folder {spec!r}")
     else:
         rows = _load_hub_dataset(spec, config, split)
     rows = _select(rows, task, spec)
+    one_row = len(rows) == 1  # of the whole data, before --max_rows: a file of one object of columns reads as one
     if limit is not None and limit < len(rows):
         rows = rows.select(range(limit))
     if len(rows) == 0:
         raise ValueError(f"Data {spec!r} has no rows for {task!r}.")
-    _check_cells(rows, spec)
+    _check_cells(rows, spec, one_row)
     return rows
 
 
 def _declares_configs(folder: Path) -> bool:
     """Whether ``folder``'s dataset card (README.md) lists configs, as a hub dataset repository's does."""
+    import yaml
     from huggingface_hub.repocard import metadata_load
 
     card = folder / "README.md"
-    return card.is_file() and bool((metadata_load(card) or {}).get("configs"))
+    if not card.is_file():
+        return False
+    try:  # a data folder's own README (any text, any front matter) is no dataset card
+        configs = (metadata_load(card) or {}).get("configs")
+    except (UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return False
+    return isinstance(configs, list) and all(isinstance(c, dict) for c in configs) and bool(configs)
 
 
 def _load_hub_dataset(spec: str, config: str | None, split: str) -> Any:
@@ -129,9 +139,12 @@ def _read_file(path: Path) -> Any:
     if loader is None:
         raise ValueError(
             f"Data file {str(path)!r} has suffix {suffix!r}; use one of {sorted(_SUFFIXES)} (JSON lines, CSV, "
-            "tab-separated with a header, one text per line, or Parquet), compressed or not "
+            "tab-separated with a header, one text per line, or Parquet), the text formats compressed or not "
             f"({', '.join(_COMPRESSED)})."
         )
+    if suffix == ".parquet" and path.suffix.lower() in _COMPRESSED:  # Parquet compresses inside; datasets reads no .gz
+        raise ValueError(f"Data file {str(path)!r} is a compressed Parquet file; decompress it first (Parquet files "
+                         "compress their own columns).")  # fmt: skip
     if path.stat().st_size == 0:
         raise ValueError(f"Data file {str(path)!r} is empty. Pass a file that holds data.")
     extra: dict[str, Any] = {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if suffix == ".tsv" else {}
@@ -223,7 +236,7 @@ def _select_split(splits: dict[str, Any], split: str, what: str) -> Any:
 _TEXT_COLUMNS = {"anchor", "positive", "negative", "sentence1", "sentence2", "text", "question"}
 
 
-def _check_cells(rows: Any, spec: str) -> None:
+def _check_cells(rows: Any, spec: str, one_row: bool = False) -> None:
     """Refuse a missing or empty cell: read on, it would be the text "None", a crash deep in a trainer, or an empty
     text scored as if it were data."""
     for column in rows.column_names:
@@ -243,7 +256,7 @@ def _check_cells(rows: Any, spec: str) -> None:
                 )
             text_column = column in _TEXT_COLUMNS or HARD_NEGATIVE.fullmatch(column)
             if text_column and not isinstance(value, str):  # a number would be embedded as its digits
-                columns_json = isinstance(value, list) and len(rows) == 1
+                columns_json = isinstance(value, list) and one_row
                 fix = (
                     "The file holds one object of columns ({column: [values]}); write one JSON object per row "
                     "(JSON lines) instead."

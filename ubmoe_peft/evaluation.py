@@ -15,6 +15,7 @@ import operator
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,6 +90,10 @@ def _check_texts(texts: Any, name: str) -> None:
     """``texts`` is a sized collection of non-empty strings (a list, a numpy array, a pandas column; a single string
     would be read character by character)."""
     check_collection(texts, name)
+    if isinstance(texts, AbstractSet):  # pairs are matched by position, and a set has none
+        raise TypeError(
+            f"{name} is a {type(texts).__name__}, which has no order; pass a list (pairs match by position)."
+        )
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{name}[{i}] is {text!r}: every entry must be a non-empty text.")

@@ -117,7 +117,9 @@ def forward_in_mode(model: nn.Module, mode: str | None) -> Iterator[None]:
     if mode is None and not ubmoe_layers(model):
         yield
         return
-    with mode_state(model).forward_lock, use_mode(model, mode) if mode is not None else nullcontext():
+    # DataParallel runs each replica's forward in a worker thread, which would wait for this thread's hold for ever
+    lock = nullcontext() if isinstance(model, nn.DataParallel) else mode_state(model).forward_lock
+    with lock, use_mode(model, mode) if mode is not None else nullcontext():
         yield
 
 

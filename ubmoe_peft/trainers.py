@@ -197,7 +197,8 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
             "help": "Dropout on the attention weights while training (the base's own attention dropout, set for "
             "train() and restored after; evaluation runs without). Unsupervised SimCSE, each text paired with itself, "
             "needs it: the two views differ only by dropout, and a fresh LoRA expert's own dropout changes nothing "
-            "until its B weights grow. None: 0, or 0.1 (SimCSE's) for text-only data on the command line."
+            "until its B weights grow. None: the model's own (0 for most decoders), or 0.1 (SimCSE's) for "
+            "text-only data on the command line."
         },
     )
 
@@ -296,6 +297,12 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                 self.sentence_transformer, scale=args.scale, gather_across_devices=args.gather_across_devices
             )
         else:
+            if args.gather_across_devices:  # it would be dropped silently: the option is the default loss's
+                raise ValueError(
+                    "ContrastiveConfig(gather_across_devices=True) sets the default loss's option, but a loss was "
+                    "given: pass the option to that loss itself (e.g. loss=lambda st: "
+                    "CachedMultipleNegativesRankingLoss(st, gather_across_devices=True)), and leave it False here."
+                )
             _check_loss_model(loss, self.sentence_transformer)
         super().__init__(
             model=self.sentence_transformer,
@@ -310,7 +317,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         # Stage again when training starts, not only when the trainer is made: another trainer (stage 2) or a
         # set_mode made since then would leave this one training nothing, silently (the optimizer is built here).
         set_stage(self.peft_model, "contrastive")
-        with attention_dropout(self.peft_model, self.args.attention_dropout or 0.0):
+        with attention_dropout(self.peft_model, self.args.attention_dropout):
             return super().train(*args, **kwargs)
 
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
@@ -333,20 +340,23 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
 
 
 @contextmanager
-def attention_dropout(model: nn.Module, p: float) -> Iterator[None]:
-    """Set the attention dropout of every decoder layer of ``model`` to ``p`` in the block (transformers' attention
-    modules read their ``attention_dropout`` at each training forward), and restore it after."""
-    if not p:
+def attention_dropout(model: nn.Module, p: float | None) -> Iterator[None]:
+    """Set the attention dropout of every decoder layer of ``model`` that has an attention module to ``p`` in the
+    block (transformers' attention modules read their ``attention_dropout`` at each training forward), and restore
+    it after; None leaves the model's own. A hybrid's convolution or state-space layers have none to set."""
+    if p is None:
         yield
         return
-    modules = [attention_module(layer) for _, layer in decoder_layers(model)]
+    modules = [m for _, layer in decoder_layers(model) if (m := attention_module(layer)) is not None]
     lacking = [m for m in modules if not isinstance(getattr(m, "attention_dropout", None), (int, float))]
     if not modules or lacking:
-        kind = type(lacking[0]).__name__ if lacking else "no decoder layers"
+        found = (
+            f"its attention ({type(lacking[0]).__name__}) has" if lacking else "no decoder layer has an attention with"
+        )
         raise ValueError(
-            f"ContrastiveConfig(attention_dropout={p}) sets the attention dropout of each decoder layer, but this "
-            f"model's attention ({kind}) has no 'attention_dropout' to set. Use attention_dropout=None and text pairs "
-            "(anchor, positive) rather than texts paired with themselves."
+            f"ContrastiveConfig(attention_dropout={p}) sets the attention dropout of each decoder layer, but in this "
+            f"model {found} no 'attention_dropout' to set. Use attention_dropout=None and text pairs (anchor, "
+            "positive) rather than texts paired with themselves."
         )
     saved = [m.attention_dropout for m in modules]
     for module in modules:
