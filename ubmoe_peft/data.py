@@ -241,10 +241,7 @@ def _check_cells(rows: Any, spec: str, one_row: bool = False) -> None:
     text scored as if it were data."""
     for column in rows.column_names:
         for i, value in enumerate(rows[column]):
-            empty = value is None or (
-                isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value)
-            )
-            if empty:
+            if _empty(value):
                 raise ValueError(
                     f"Data {spec!r}: row {i} (counting from 0) has an empty {column!r} ({value!r}). Fill it in or "
                     "drop the row."
@@ -279,6 +276,13 @@ def _check_cells(rows: Any, spec: str, one_row: bool = False) -> None:
                     )
 
 
+def _empty(value: Any) -> bool:
+    """A missing value, a blank text or an empty list."""
+    return value is None or (
+        isinstance(value, (str, list)) and not (value.strip() if isinstance(value, str) else value)
+    )
+
+
 def _shown(value: Any) -> str:
     """``repr(value)``, cut to a line: a whole column read as one cell was quoted in full (490,000 characters)."""
     text = repr(value)
@@ -303,10 +307,8 @@ def _check_turns(messages: list, row: int, spec: str, column: str) -> None:
                 "chat turn is a {'role': ..., 'content': ...} object."
             )
         content = message.get("content")
-        blank = content is None or (
-            isinstance(content, (str, list)) and not (content.strip() if isinstance(content, str) else content)
-        )
-        if blank and message["role"] != "system" and not message.get("tool_calls"):  # a tool call has no content
+        # a system prompt may be empty, and a tool call has no content
+        if _empty(content) and message["role"] != "system" and not message.get("tool_calls"):
             raise ValueError(
                 f"Data {spec!r}: row {row} (counting from 0), turn {j} of {column!r} ({message['role']!r}) has empty "
                 f"content ({content!r}). Fill it in or drop the row."

@@ -27,6 +27,7 @@ from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, AdapterMismatchError, read_json_config
 from .modes import mode_state, set_stage, ubmoe_layers, use_mode
+from .tuners.ubmoe.state import RoutingTally
 
 try:
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -529,7 +530,9 @@ class RouterTrainer(SFTTrainer):
             # Summed over processes, as TRL reduces its own metrics: each rank routed only its share of the batch
             local = torch.tensor([counts[layer] for layer in sorted(counts)], device=self.accelerator.device)  # (L, 2)
             summed = self.accelerator.gather(local).view(-1, *local.shape).sum(0)  # (L, 2)
-            shares = summed[:, 0] / summed[:, 1].clamp(min=1.0)  # (L,)
+            tally = RoutingTally()  # the one rule for a share of routed tokens
+            for layer, (routed, real) in zip(sorted(counts), summed.tolist(), strict=True):
+                tally.add(layer, routed, real)
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["bi_share"].append(float(shares.mean()))
+            self._metrics[mode]["bi_share"].append(tally.mean())
         return result
