@@ -416,6 +416,14 @@ def test_bad_arguments_and_inputs_are_named(tokenizer):
     assert st[0].preprocess([w(5)])["input_ids"].shape[0] == 1
     with pytest.raises(TypeError, match="Text 1 to embed is NoneType None; this model embeds strings only"):
         st.encode([w(5), None])
+    # A text that becomes no token (no special token, no template): alone it failed inside attention, in a batch it
+    # was pooled from padding alone into a zero vector
+    bare = to_sentence_transformer(model, tokenizer, prompt=None)
+    for texts in ([""], [w(5), ""]):
+        with pytest.raises(ValueError, match=rf"Text {len(texts) - 1} to embed is '' .*no token.*with a prompt"):
+            bare.encode(texts)
+    assert bare.encode([w(5)]).shape[0] == 1
+    assert st.encode([""]).shape[0] == 1  # a template gives it words
 
 
 def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_path):

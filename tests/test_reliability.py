@@ -120,8 +120,36 @@ BAD_WRAPS = {
     # PEFT matches modules_to_save by name ending, after the experts exist: refused before any change
     "modules_to_save is the FFN": (dict(modules_to_save=["p"]), None, ["['p']", "'model.layers.0.mlp'", "lm_head"]),
     "modules_to_save is an expert": (dict(modules_to_save=["A"]), None, ["['A']", "mlp.ubmoe_lora_A'", "lm_head"]),
-    "modules_to_save is inside the FFN": (dict(modules_to_save=["up_proj"]), None, ["mlp.base_layer.up_proj'"]),
+    "modules_to_save is inside the FFN": (dict(modules_to_save=["up_proj"]), None, ["'model.layers.0.mlp.up_proj'"]),
+    # PEFT would run a copy of the layer: its UBMoE layers got a mode state of their own, out of set_mode's reach
+    "modules_to_save holds the FFN": (dict(modules_to_save=["layers.1"]), None, ["'layers.1'", "holds an FFN"]),
+    # PEFT would run a copy of the attention without the attention adapter's hooks: that adapter did nothing
+    "modules_to_save is an adapted attention": (
+        dict(attention_r=2, modules_to_save=["self_attn"]),
+        None,
+        ["'self_attn'", "'model.layers.0.self_attn'", "attention_r", "lm_head"],
+    ),
+    "modules_to_save is in an adapted attention": (
+        dict(attention_r=2, modules_to_save=["q_proj"]),
+        None,
+        ["'q_proj'", "'model.layers.0.self_attn.q_proj'", "attention_r"],
+    ),
 }
+
+
+def test_modules_to_save_and_an_attention_adapter_of_two_adapters_are_refused_both_ways():
+    """Another adapter's attention adapter got PEFT's copies of its LoRA modules (its save no longer loaded), and an
+    attention adapter built after another adapter's copy of q_proj was keyed by PEFT's wrapper internals."""
+    model = wrap(attention_r=2)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"'q_proj'.*attention_r"):
+        model.add_adapter("two", ubmoe_peft.UBMoEConfig(modules_to_save=["q_proj"]))
+    assert same_state(model, before) and list(model.peft_config) == ["default"]
+    model = wrap(modules_to_save=["q_proj"])  # no attention adapter: a trained copy of q_proj is the user's choice
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"attention_r=2.*'q_proj', a trained copy.*attention_r=0"):
+        model.add_adapter("two", ubmoe_peft.UBMoEConfig(attention_r=2))
+    assert same_state(model, before) and list(model.peft_config) == ["default"]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WRAPS))
@@ -429,6 +457,15 @@ def test_an_adapter_saved_with_the_embeddings_loads_back(tmp_path, case):
     assert any(k.endswith("embed_tokens.weight") for k in weights)
     loaded = peft.PeftModel.from_pretrained(base(seed=2), tmp_path / "adapter").eval()
     torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=0)
+    # Under another name, beside an adapter of the saved name: the save also holds the LM head's trained copy under
+    # its saved name ("default"), which had no place (refused) or overwrote that adapter's copy
+    other = wrap(base(seed=2), **extra)
+    theirs = snapshot(other)
+    other.load_adapter(tmp_path / "adapter", adapter_name="other")
+    other.set_adapter("other")
+    torch.testing.assert_close(logits(other.eval(), ids), expected, rtol=0, atol=0)
+    now = other.state_dict()
+    assert all(torch.equal(now[k], v) for k, v in theirs.items() if ".default." in k)
     if case == "resized":
         plain = LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()  # the vocabulary it was not saved with
         with pytest.raises(AdapterMismatchError, match=r"embeddings saved with it do not fit.*resize_token_embeddings"):
@@ -805,6 +842,58 @@ def test_a_forward_stopped_by_keyboard_interrupt_leaves_the_lock_to_the_next_for
     thread.start()
     thread.join(60)
     assert done == [True]
+
+
+def test_a_mode_bi_forward_stopped_by_keyboard_interrupt_leaves_no_attention_delta_behind():
+    """The attention adapter's deltas are taken off the projections by an always-called hook, which a KeyboardInterrupt
+    skips: they stayed, and changed every mode after (uni was no longer the base, bi added them twice)."""
+    model = trained(wrap(attention_r=2))
+    ids = torch.arange(6).view(1, 6)
+    expected = {mode: logits(ubmoe_peft.set_mode(model, mode) or model, ids) for mode in ("uni", "bi", "moe")}
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    o_proj = model.base_model.model.model.layers[0].self_attn.o_proj
+    handle = o_proj.register_forward_hook(interrupt)  # inside layer 0's attention, with the deltas on, in mode bi
+    ubmoe_peft.set_mode(model, "bi")
+    with pytest.raises(KeyboardInterrupt):
+        logits(model, ids)
+    handle.remove()
+    for order in (("uni", "bi", "moe"), ("bi", "uni", "moe")):  # the next forward, in another mode or the same
+        for mode in order:
+            ubmoe_peft.set_mode(model, mode)
+            assert torch.equal(logits(model, ids), expected[mode]), mode
+        ubmoe_peft.set_mode(model, "bi")
+        with pytest.raises(KeyboardInterrupt):
+            handle = o_proj.register_forward_hook(interrupt)
+            try:
+                logits(model, ids)
+            finally:
+                handle.remove()
+
+
+@pytest.mark.parametrize("stop", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_that_raised_leaves_the_last_completed_routing(stop):
+    """A mode-moe forward that raised half-way left the routing of the layers it ran: routing_stats named layer 0
+    alone, and a track_routing block counted its tokens for layer 0 only."""
+    model = trained(wrap(tiny(layers=3)))
+    ids = torch.arange(6).view(1, 6)
+    logits(model, ids[:, :2])
+    completed = ubmoe_peft.routing_stats(model)
+
+    def fail(module, args, output):
+        raise stop("stop")
+
+    with ubmoe_peft.track_routing(model) as tally:
+        handle = ubmoe_layers(model)[1].register_forward_hook(fail)
+        with pytest.raises(stop):
+            logits(model, ids)
+        handle.remove()
+        if stop is RuntimeError:
+            assert ubmoe_peft.routing_stats(model) == completed
+        logits(model, ids[:, :2])
+    assert set(tally.tokens.values()) == {2.0}  # the completed forward's two tokens, in every layer
 
 
 def test_one_config_object_serves_many_models_and_adapters():

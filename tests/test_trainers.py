@@ -240,6 +240,27 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tokenizer, tmp_path,
         assert torch.equal(param, dict(model.named_parameters())[name]), name
 
 
+@pytest.mark.parametrize("stage", ["contrastive", "router"])
+def test_a_resume_under_another_adapter_name(tokenizer, tmp_path, stage):
+    """A checkpoint of a named adapter resumed by a run of another name: transformers loaded it as a new, inactive
+    adapter and trained the active one on from its start, silently (stage router), and sentence-transformers' resume
+    failed with a hub error (stage contrastive). A checkpoint of "default" (top-level files only) resumes any name."""
+    model, trainer = _stage_run(stage, tokenizer, tmp_path / "emb", "emb")
+    trainer.train()
+    resumed, trainer = _stage_run(stage, tokenizer, tmp_path / "resumed", "default")
+    with pytest.raises(AdapterMismatchError, match=r"holds adapters \['emb'\].*trains adapter 'default'"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "emb" / "checkpoint-2"))
+    assert list(resumed.peft_config) == ["default"]
+
+    model, trainer = _stage_run(stage, tokenizer, tmp_path / "default", "default")
+    trainer.train()
+    resumed, trainer = _stage_run(stage, tokenizer, tmp_path / "renamed", "emb")
+    trainer.train(resume_from_checkpoint=str(tmp_path / "default" / "checkpoint-2"))
+    params = dict(model.named_parameters())
+    for name, param in resumed.named_parameters():
+        assert torch.equal(param, params[name.replace(".emb.", ".default.")]), name
+
+
 def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp_path):
     from peft.utils import load_peft_weights
 

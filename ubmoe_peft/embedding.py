@@ -114,6 +114,13 @@ class UBMoEEncoder(InputModule):
             options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
         features = self._tokenize(texts, options)
+        empty = [i for i, row in enumerate(features["attention_mask"]) if not row.any()]
+        if empty:  # alone it failed inside attention; in a batch it pooled an all-padding row into a zero vector
+            raise ValueError(
+                f"Text {empty[0]} to embed is {inputs[empty[0]]!r} ({len(empty)} such texts): it becomes no token at "
+                "all (this tokenizer adds no special token, and no prompt or template adds words), so there is "
+                "nothing to embed. Leave out empty texts, or embed them with a prompt."
+            )
         if prompt:
             features["prompt_length"] = self._prompt_length(prompt)
         return features

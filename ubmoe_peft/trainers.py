@@ -25,7 +25,7 @@ from torch import nn
 
 from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
-from .io import CONFIG_NAME, OUTPUT_SETTINGS, AdapterMismatchError, read_json_config
+from .io import CONFIG_NAME, OUTPUT_SETTINGS, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, AdapterMismatchError, read_json_config
 from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
 
@@ -148,6 +148,32 @@ def check_checkpoint_settings(model: nn.Module, adapter: str, folder: Path, chec
             "its weights under the model's settings. Resume with the checkpoint's settings (on the command line, the "
             "same adapter options as the run that saved it), or start a new run without resume_from_checkpoint."
         )
+
+
+def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
+    """The folder of ``folder`` (a checkpoint's adapter save) whose weights resume ``model``'s active adapter.
+
+    PEFT saves adapter "default" at the top and every other adapter in a subfolder of its name. Like transformers'
+    resume, a checkpoint with the top-level files only resumes whichever adapter is active (a run renamed since); one
+    with subfolders must hold the active adapter's. transformers loaded a subfolder as a new, inactive adapter and
+    went on training the active one from where it stood, with no sign (its weights were never restored), and
+    sentence-transformers' resume failed with a hub error on the missing folder.
+    """
+    adapter = model.active_adapter
+    has_weights = lambda path: (path / WEIGHTS_NAME).is_file() or (path / PICKLE_WEIGHTS_NAME).is_file()  # noqa: E731
+    saved = {"default": folder} if has_weights(folder) else {}
+    if folder.is_dir():
+        saved |= {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir() and has_weights(sub)}
+    if adapter in saved:
+        return saved[adapter]
+    if list(saved) == ["default"]:
+        return folder
+    held = f"adapters {list(saved)}" if saved else "no adapter weights"
+    raise AdapterMismatchError(
+        f"Checkpoint {checkpoint!r} holds {held} ({folder}), but the model trains adapter {adapter!r}: its weights "
+        "would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, or the "
+        "same adapter_name as the run that saved it), or start a new run without resume_from_checkpoint."
+    )
 
 
 @dataclass
@@ -334,8 +360,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
 
         adapter = self.peft_model.active_adapter
         folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
-        if adapter != "default":  # PEFT saves other adapters in a subfolder of their name
-            folder = folder / adapter
+        folder = checkpoint_adapter(self.peft_model, folder, checkpoint_path)
         check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path)
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
 
@@ -503,10 +528,17 @@ class RouterTrainer(SFTTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # transformers saves the adapter "default" at the checkpoint's top and every other one in a subfolder
         folder = Path(resume_from_checkpoint)
+        active = checkpoint_adapter(self.model, folder, resume_from_checkpoint)
         for adapter in getattr(self.model, "peft_config", {}):
-            check_checkpoint_settings(
-                self.model, adapter, folder if adapter == "default" else folder / adapter, resume_from_checkpoint
-            )
+            if adapter == self.model.active_adapter:
+                saved = active
+            elif adapter != "default":
+                saved = folder / adapter
+            elif active != folder:  # the top-level files are "default"'s only beside subfolders (transformers' rule)
+                saved = folder
+            else:
+                continue
+            check_checkpoint_settings(self.model, adapter, saved, resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         # transformers reloads a checkpoint of a named (not "default") adapter with PEFT's set_adapter, which makes
         # every weight of the adapter trainable: the experts would join the routers, and resuming failed on the saved

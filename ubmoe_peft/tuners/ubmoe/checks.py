@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 
 from ...architectures import (
@@ -242,7 +244,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"Target modules {config.target_modules} not found in the base model. Its decoder layers have the "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. 'mlp')."
         )
-    _check_modules_to_save(config, targets, adapter_name)
+    _check_modules_to_save(config, model, targets, adapter_name)
     _refuse_expert_blocks(targets)
     for name, module in targets.items():
         if isinstance(module, UBMoELayer):
@@ -281,29 +283,69 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
                     )
 
 
-def _check_modules_to_save(config: UBMoEConfig, targets: dict[str, nn.Module], adapter_name: str) -> None:
-    """PEFT wraps every module whose name ends with an entry of ``modules_to_save`` (plain ``str.endswith``), after
-    the experts are built. Inside a wrapped FFN that would fail half-way (a UBMoE layer or its ModuleDicts cannot be
-    wrapped) or train a projection the experts share, so such entries are refused here, before anything changes. The
-    names checked are those the FFN and its contents will have once wrapped."""
+def _check_modules_to_save(
+    config: UBMoEConfig, model: nn.Module, targets: dict[str, nn.Module], adapter_name: str
+) -> None:
+    """PEFT wraps every module whose name ends with an entry of ``modules_to_save`` (plain ``str.endswith``) in a
+    trained copy, after the experts are built, and runs the copy instead. Entries that would reach UBMoE's own modules
+    are refused here, before anything changes:
+
+    - inside a wrapped FFN (this adapter's experts-to-be or any adapter's): wrapping fails half-way (a UBMoE layer or
+      its ModuleDicts cannot be wrapped), or trains a projection the experts share;
+    - a module holding a wrapped FFN (a decoder layer, ``layers``): the copy's UBMoE layers got a mode state of their
+      own, and ``set_mode`` no longer reached them;
+    - while a mode-bi attention adapter is in use (``attention_r``, this adapter's or another's): the attention or
+      one of its linear layers, whose hooks the copy would not run (the adapter silently did nothing), or on which
+      the attention adapter was built.
+    """
     if not config.modules_to_save:
         return
-    names = []
-    for name, module in targets.items():
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    for name, module in targets.items():  # what this adapter adds to the wrapped FFNs
         ffn = module.base_layer if isinstance(module, UBMoELayer) else module
         inner = [n for n, _ in ffn.named_modules() if n]
-        names += [name, f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
+        names += [f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
         for container in _CONTAINERS:
             names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
             names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
-    clashes = sorted({entry for entry in config.modules_to_save for n in names if n.endswith(entry)})
-    if clashes:
-        example = next(n for n in names if n.endswith(clashes[0]))
-        raise ValueError(
-            f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {clashes}, which would match modules inside "
-            f"the FFNs UBMoE wraps (e.g. {example!r}; PEFT matches the end of module names). The FFNs are the "
-            "experts: train them through the adapter. Keep modules_to_save to modules outside them, e.g. ['lm_head']."
-        )
+    attention = config.attention_r > 0 or any(isinstance(m, UBMoELayer) and m.ubmoe_attn_A for m in targets.values())
+    hooked = []  # the attentions and their linear layers, which the attention adapters hook
+    if attention:
+        index = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        for _, layer in decoder_layers(model):
+            if (module := attention_module(layer)) is not None and id(module) in index:
+                hooked += [index[id(module)], *(f"{index[id(module)]}.{n}" for n in linear_projections(module))]
+
+    def under(name: str, roots: Iterable[str]) -> bool:
+        return any(name == root or name.startswith(f"{root}.") for root in roots)
+
+    reasons = (
+        (
+            lambda n: under(n, targets),
+            "is inside an FFN UBMoE wraps: the FFNs are the experts, trained through the adapter",
+        ),
+        (
+            lambda n: any(t.startswith(f"{n}.") for t in targets),
+            "holds an FFN UBMoE wraps: PEFT would run a copy of it, whose UBMoE layers the adapter's modes no longer "
+            "reach",
+        ),
+        (
+            lambda n: under(n, hooked) or any(h.startswith(f"{n}.") for h in hooked),
+            "is, holds or lies in an attention whose linear layers a mode-bi attention adapter (attention_r) hooks: "
+            "PEFT would run a copy without those hooks",
+        ),
+    )
+    for entry in config.modules_to_save:
+        for name in names:
+            if not name.endswith(entry):
+                continue
+            why = next((why for clash, why in reasons if clash(name)), None)
+            if why is not None:
+                raise ValueError(
+                    f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {entry!r}, which would match "
+                    f"{name!r} (PEFT matches the end of module names), which {why}. Keep modules_to_save to "
+                    "modules outside the wrapped FFNs and the adapted attentions, e.g. ['lm_head']."
+                )
 
 
 def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str, nn.Module]]) -> None:
@@ -316,6 +358,13 @@ def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str,
             f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the decoder layer "
             f"of {ffn_name!r} has no self-attention module named 'self_attn', 'attention' or 'attn' with linear "
             "layers. Use attention_r=0."
+        )
+    wrapped = next((n for n, m in attention.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)), None)
+    if wrapped is not None:  # LoRA on the wrapper's inner layers, keyed by PEFT's internals: no save loads back
+        raise ValueError(
+            f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the attention of "
+            f"{ffn_name!r} holds {wrapped!r}, a trained copy of another adapter's modules_to_save. Use attention_r=0, "
+            "or keep that adapter's modules_to_save outside the attention."
         )
     for proj_name, proj in linear_projections(attention).items():
         if config.attention_r > min(proj.in_features, proj.out_features):

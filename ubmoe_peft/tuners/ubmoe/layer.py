@@ -173,6 +173,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     def _attention_on(self, module: nn.Module, args: tuple) -> None:
         if self._state.spec.ffn != "bi":  # modes uni and moe (every decode step): return before anything else
             return
+        self._drop_attention_deltas()  # left by a call that never reached `_attention_off` (KeyboardInterrupt)
         adapter = self._current_adapter()
         if adapter is None or adapter not in self.ubmoe_attn_A:
             return
@@ -187,6 +188,11 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         ]
 
     def _attention_off(self, module: nn.Module, args: tuple, out: Any) -> None:
+        self._drop_attention_deltas()
+
+    def _drop_attention_deltas(self) -> None:
+        # PyTorch calls an always-called hook (`_attention_off`) after an Exception, not after a KeyboardInterrupt:
+        # deltas left on the projections would then change every mode, and the next mode-bi call add them twice.
         for handle in self.__dict__.pop("_attention_deltas", []):
             handle.remove()
 
@@ -207,6 +213,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             for handle in self._attention_hooks:
                 handle.remove()
             self._attention_hooks = []
+            self._drop_attention_deltas()
 
     def remove_attention_hooks(self) -> None:
         """Detach from the attention module (unload, merge): no hook of ours stays behind on the base model."""

@@ -43,6 +43,24 @@ BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attentio
 _LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
 
+def _drop_saved_copy_duplicates(state_dict: dict, adapter_name: str) -> dict:
+    """Drop a resized embedding's ``modules_to_save`` copy saved a second time under the saving adapter's name.
+
+    PEFT's save of a resized embedding (``save_embedding_layers``) takes every key under the embedding's prefix, the
+    wrapper's ``modules_to_save.<saved name>.weight`` included, beside the copy it saves without the name. Loaded under
+    another name, that duplicate had no place (refused), or would overwrite the copy of an adapter of the saved name
+    (PEFT loads with strict=False). The copy is loaded from its nameless key (`ModulesToSaveWrapper`'s load map).
+    """
+    copy = re.compile(r"^(.*)\.modules_to_save\.([^.]+)\.(.+)$")
+    kept = {}
+    for key, value in state_dict.items():
+        match = copy.match(key)
+        if match and match[2] != adapter_name and f"{match[1]}.modules_to_save.{adapter_name}.{match[3]}" in state_dict:
+            continue
+        kept[key] = value
+    return kept
+
+
 class UBMoEModel(BaseTuner):
     """Wraps each targeted FFN of ``model`` in a `UBMoELayer` and makes attention bidirectional in mode ``"bi"``."""
 
@@ -153,6 +171,7 @@ class UBMoEModel(BaseTuner):
         remapped = super()._remap_adapter_state_dict_for_load(
             model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
         )
+        remapped = _drop_saved_copy_duplicates(remapped, adapter_name)
         check_checkpoint(model, config, adapter_name, remapped)
         widen_quantized_copies(model, remapped)
         # B in its fast layout also where PEFT assigns the loaded tensors instead of copying them (low_cpu_mem_usage)
@@ -189,6 +208,8 @@ class UBMoEModel(BaseTuner):
                     cache._ubmoe_filled_in = self._cache_tag()
                 except AttributeError:  # a cache type without attributes: unchecked
                     pass
+            if output is None:  # the forward raised (PyTorch calls an always-called hook with no output then)
+                self._ubmoe_state.abort_forward()
         finally:
             self._ubmoe_state.unlock_forward()  # also when the forward raised (always_call)
 

@@ -93,10 +93,13 @@ class ModeState:
         """Take the forward lock for one forward of the decoder. A hold this thread still has is from a forward
         that never reached its end (KeyboardInterrupt skips PyTorch's always-called hooks): it is released first,
         or every other thread's next forward would wait for ever."""
-        for _ in range(getattr(self._threads, "held", 0)):
+        stale = getattr(self._threads, "held", 0)
+        for _ in range(stale):
             self.forward_lock.release()
         self.forward_lock.acquire()
         self._threads.held = 1
+        if stale:
+            self.abort_forward()  # that forward's routing is partial: no tally may count it
 
     def unlock_forward(self) -> None:
         """Release what `lock_forward` took in this thread; nothing when it took nothing (a hook before ours
@@ -124,6 +127,7 @@ class ModeState:
         """A forward starts: keep which of its tokens are real, for the routing statistics. ``past``: tokens already
         in the KV cache (None: unknown)."""
         self.tally()  # the previous forward's routing, before it is replaced
+        self._completed = (self.routing, self.routing_mask)  # what `abort_forward` puts back
         if attention_mask is not None and attention_mask.dim() == 4:
             # A 4D mask (used as given): the real keys are those some query may attend to; a padding key none.
             queries = attention_mask.shape[-2]
@@ -136,6 +140,11 @@ class ModeState:
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
             self.routing_mask = self.token_mask
+
+    def abort_forward(self) -> None:
+        """The forward that `begin_forward` started raised: drop the routing of the layers it ran, and keep the last
+        completed forward's for `routing_stats` (already tallied, so no `track_routing` block counts it twice)."""
+        self.routing, self.routing_mask = self.__dict__.pop("_completed", (self.routing, self.routing_mask))
 
     def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
         """Keep a layer's routing without a graph: top-1 router logits (B, T, 2) or the top-2 bi weight (B, T).
