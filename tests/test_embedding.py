@@ -353,22 +353,22 @@ def test_generation_beside_an_embedding_thread_keeps_its_cache(tokenizer):
     worker = threading.Thread(target=lambda: st.encode([w(5, 6, 7)]))
     inside, proceed = _hold_inside_forward(model, worker)
     state = mode_state(model)
-    release = state.unlock_forward
+    release = state.end_forward
 
-    def unlock_then_embed() -> None:  # the embedding thread takes the lock as soon as the prefill lets it go
-        release()
+    def unlock_then_embed(failed: bool = False) -> None:  # the embedding thread takes the lock as the prefill ends
+        release(failed)
         if threading.current_thread() is threading.main_thread() and not worker.is_alive() and not inside.is_set():
             worker.start()
             inside.wait(10)  # it holds the lock, in mode bi
             threading.Timer(0.3, proceed.set).start()
 
-    state.unlock_forward = unlock_then_embed
+    state.end_forward = unlock_then_embed
     try:
         assert torch.equal(model.generate(input_ids=ids, max_new_tokens=3, do_sample=False), expected)
     finally:
         proceed.set()
         worker.join()
-        del state.unlock_forward
+        del state.end_forward
     assert inside.is_set()  # the embedding ran between the prefill and the first decode step
 
 
@@ -419,9 +419,11 @@ def test_bad_arguments_and_inputs_are_named(tokenizer):
     # A text that becomes no token (no special token, no template): alone it failed inside attention, in a batch it
     # was pooled from padding alone into a zero vector
     bare = to_sentence_transformer(model, tokenizer, prompt=None)
-    for texts in ([""], [w(5), ""]):
-        with pytest.raises(ValueError, match=rf"Text {len(texts) - 1} to embed is '' .*no token.*with a prompt"):
-            bare.encode(texts)
+    for texts in ([""], [w(5), ""], [w(5, 6), "", w(7)]):
+        with pytest.raises(ValueError, match=r"A text to embed, '', becomes no token of its own.*a template"):
+            bare.encode(texts, batch_size=2)
+        with pytest.raises(ValueError, match=r"A text to embed, '', becomes no token of its own"):
+            bare.encode(texts, prompt=w(9) + " ")  # a prompt that the pooling leaves out: nothing left to pool
     assert bare.encode([w(5)]).shape[0] == 1
     assert st.encode([""]).shape[0] == 1  # a template gives it words
 

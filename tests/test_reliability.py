@@ -137,6 +137,31 @@ BAD_WRAPS = {
 }
 
 
+def test_modules_to_save_beside_an_attention_adapter_that_stay_allowed():
+    """Only the attention an adapter hooks, its linear layers and what holds them are refused: the first version
+    also refused Qwen3's attention norms ('norm' matches 'q_norm') and the attentions of layers without an adapter."""
+    from conftest import tiny_model
+
+    for entry in (["norm"], ["q_norm"], ["lm_head", "embed_tokens"]):
+        model = peft.get_peft_model(tiny_model("qwen3"), ubmoe_peft.UBMoEConfig(attention_r=2, modules_to_save=entry))
+        assert model.peft_config["default"].modules_to_save == entry
+    model = wrap(layers_to_transform=[1], attention_r=2, modules_to_save=["layers.0.self_attn.q_proj"])
+    assert list(model.peft_config) == ["default"]
+    model = peft.get_peft_model(tiny_model("qwen3"), ubmoe_peft.UBMoEConfig(modules_to_save=["q_norm"]))
+    model.add_adapter("two", ubmoe_peft.UBMoEConfig(attention_r=2))  # a copy of a norm holds no linear layer
+
+
+def test_modules_to_save_reaching_another_adapters_ffns_are_refused():
+    """The FFN check looked only at the new adapter's targets: entries on another adapter's wrapped FFN failed
+    half-way in PEFT (the model changed), and a copy of its decoder layer was accepted (its save then failed)."""
+    model = wrap(layers_to_transform=[0])
+    before = snapshot(model)
+    for entry in (["layers.0.mlp"], ["0.mlp.base_layer.gate_proj"], ["layers.0"]):
+        with pytest.raises(ValueError, match="FFN UBMoE wraps"):
+            model.add_adapter("two", ubmoe_peft.UBMoEConfig(layers_to_transform=[1], modules_to_save=entry))
+        assert same_state(model, before) and list(model.peft_config) == ["default"]
+
+
 def test_modules_to_save_and_an_attention_adapter_of_two_adapters_are_refused_both_ways():
     """Another adapter's attention adapter got PEFT's copies of its LoRA modules (its save no longer loaded), and an
     attention adapter built after another adapter's copy of q_proj was keyed by PEFT's wrapper internals."""
@@ -876,7 +901,10 @@ def test_a_mode_bi_forward_stopped_by_keyboard_interrupt_leaves_no_attention_del
 @pytest.mark.parametrize("stop", [RuntimeError, KeyboardInterrupt])
 def test_a_forward_that_raised_leaves_the_last_completed_routing(stop):
     """A mode-moe forward that raised half-way left the routing of the layers it ran: routing_stats named layer 0
-    alone, and a track_routing block counted its tokens for layer 0 only."""
+    alone, and a track_routing block counted its tokens for layer 0 only. A KeyboardInterrupt (which skips the
+    always-called hook) also kept the forward lock until the thread's next forward: other threads waited."""
+    import threading
+
     model = trained(wrap(tiny(layers=3)))
     ids = torch.arange(6).view(1, 6)
     logits(model, ids[:, :2])
@@ -890,10 +918,37 @@ def test_a_forward_that_raised_leaves_the_last_completed_routing(stop):
         with pytest.raises(stop):
             logits(model, ids)
         handle.remove()
-        if stop is RuntimeError:
-            assert ubmoe_peft.routing_stats(model) == completed
+        assert ubmoe_peft.routing_stats(model) == completed
+        assert tally.tokens == {}
+        other: list = []  # the interrupted forward's lock is free (KeyboardInterrupt skipped its always-called hook)
+        reader = threading.Thread(target=lambda: other.append(ubmoe_peft.routing_stats(model)), daemon=True)
+        reader.start()
+        reader.join(30)
+        assert other == [completed]
         logits(model, ids[:, :2])
     assert set(tally.tokens.values()) == {2.0}  # the completed forward's two tokens, in every layer
+
+
+def test_a_forward_that_failed_before_it_began_keeps_the_last_routing():
+    """A forward that raised before UBMoE's pre-hook ran still reaches the always-called hook after it: it put back
+    the routing from before the last completed forward, which a track_routing block then never counted."""
+    model = trained(wrap(tiny(layers=3)))
+    ids = torch.arange(6).view(1, 6)
+    with ubmoe_peft.track_routing(model) as tally:
+        logits(model, ids[:, :2])
+        logits(model, ids)
+        completed = ubmoe_peft.routing_stats(model)
+
+        def fail(module, args, kwargs):
+            raise RuntimeError("before the forward")
+
+        backbone = model.base_model.model.model
+        handle = backbone.register_forward_pre_hook(fail, prepend=True, with_kwargs=True)
+        with pytest.raises(RuntimeError, match="before the forward"):
+            logits(model, ids)
+        handle.remove()
+        assert ubmoe_peft.routing_stats(model) == completed
+    assert set(tally.tokens.values()) == {8.0}  # both completed forwards, in every layer
 
 
 def test_one_config_object_serves_many_models_and_adapters():

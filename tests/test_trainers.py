@@ -70,6 +70,12 @@ def test_contrastive_trainer_trains_only_the_bi_experts(tokenizer, tmp_path, exp
     assert ContrastiveTrainer(model, tokenizer, args=gathered, train_dataset=_pairs()).loss.gather_across_devices
     with pytest.raises(ValueError, match="gather_across_devices=True. sets the default loss's option, but a loss"):
         ContrastiveTrainer(model, tokenizer, args=gathered, train_dataset=_pairs(), loss=losses.CoSENTLoss)
+    hotter = ContrastiveConfig(output_dir=str(tmp_path), scale=50.0, **QUIET)  # was dropped beside a given loss
+    assert ContrastiveTrainer(model, tokenizer, args=hotter, train_dataset=_pairs()).loss.scale == 50.0
+    with pytest.raises(ValueError, match=r"scale=50.0\) sets the default loss's .*scale=50.0\)\), and leave"):
+        ContrastiveTrainer(model, tokenizer, args=hotter, train_dataset=_pairs(), loss=losses.CoSENTLoss)
+    with pytest.raises(ValueError, match="neftune_noise_alpha=5 .NEFTune. is not supported in stage 1"):
+        ContrastiveConfig(output_dir=str(tmp_path), neftune_noise_alpha=5, **QUIET)  # failed at train()
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.state.log_history if "loss" in h)
 
 
@@ -209,6 +215,23 @@ def test_each_trainer_trains_its_own_stage_whichever_was_made_last(tokenizer, tm
         changed = _changed(model, before)
         assert changed and all(any(part in n for part in trains[stage]) for n in changed), (stage, changed)
         assert ubmoe_peft.get_mode(model) == {"contrastive": "bi", "router": "moe"}[stage]
+
+
+def test_a_full_bf16_evaluation_leaves_the_routers_in_their_dtype(tokenizer, tmp_path):
+    """transformers casts the whole model for bf16_full_eval when evaluate() runs outside train(): the routers stayed
+    in bf16 for the training after, and were saved so (config.router_dtype float32)."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    _trained_experts(model)
+    args = RouterConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, max_length=32, bf16_full_eval=True,
+        use_cpu=True, **QUIET,
+    )  # fmt: skip
+    trainer = RouterTrainer(
+        model, args=args, train_dataset=_texts(8), eval_dataset=_texts(4), processing_class=tokenizer
+    )
+    trainer.evaluate()
+    routers = [p for n, p in model.named_parameters() if ".ubmoe_router." in n]
+    assert routers and all(p.dtype == torch.float32 for p in routers)
 
 
 def _stage_run(stage: str, tokenizer, out, adapter: str = "default", **settings):

@@ -114,15 +114,18 @@ class UBMoEEncoder(InputModule):
             options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
         features = self._tokenize(texts, options)
-        empty = [i for i, row in enumerate(features["attention_mask"]) if not row.any()]
-        if empty:  # alone it failed inside attention; in a batch it pooled an all-padding row into a zero vector
-            raise ValueError(
-                f"Text {empty[0]} to embed is {inputs[empty[0]]!r} ({len(empty)} such texts): it becomes no token at "
-                "all (this tokenizer adds no special token, and no prompt or template adds words), so there is "
-                "nothing to embed. Leave out empty texts, or embed them with a prompt."
-            )
         if prompt:
             features["prompt_length"] = self._prompt_length(prompt)
+        # A text of no token of its own: alone it failed inside attention; in a batch it was pooled from padding (or
+        # from a prompt that the pooling leaves out) into a zero vector
+        own = features["attention_mask"].sum(dim=-1) - features.get("prompt_length", 0)  # (B,)
+        if not bool((own > 0).all()):
+            text = inputs[int((own <= 0).nonzero()[0])]  # sentence-transformers sorts a batch: name the text itself
+            raise ValueError(
+                f"A text to embed, {text!r}, becomes no token of its own (this tokenizer adds no special token, and no "
+                "template adds words around it), so there is nothing to embed. Leave out empty texts, or set a "
+                "template with '{text}' in it."
+            )
         return features
 
     def _tokenize(self, texts: list[str], options: dict[str, Any]) -> dict[str, Any]:

@@ -118,9 +118,14 @@ def forward_in_mode(model: nn.Module, mode: str | None) -> Iterator[None]:
         yield
         return
     # DataParallel runs each replica's forward in a worker thread, which would wait for this thread's hold for ever
-    lock = nullcontext() if isinstance(model, nn.DataParallel) else mode_state(model).forward_lock
-    with lock, use_mode(model, mode) if mode is not None else nullcontext():
-        yield
+    state = None if isinstance(model, nn.DataParallel) else mode_state(model)
+    with state.forward_lock if state is not None else nullcontext(), use_mode(model, mode) if mode else nullcontext():
+        try:
+            yield
+        except BaseException:
+            if state is not None:
+                state.end_stale_forward()  # a KeyboardInterrupt out of the forward: its lock, its routing
+            raise
 
 
 def routing_stats(model: nn.Module) -> dict[int, float] | None:

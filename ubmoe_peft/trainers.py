@@ -160,7 +160,10 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
     sentence-transformers' resume failed with a hub error on the missing folder.
     """
     adapter = model.active_adapter
-    has_weights = lambda path: (path / WEIGHTS_NAME).is_file() or (path / PICKLE_WEIGHTS_NAME).is_file()  # noqa: E731
+
+    def has_weights(path: Path) -> bool:
+        return (path / WEIGHTS_NAME).is_file() or (path / PICKLE_WEIGHTS_NAME).is_file()
+
     saved = {"default": folder} if has_weights(folder) else {}
     if folder.is_dir():
         saved |= {sub.name: sub for sub in sorted(folder.iterdir()) if sub.is_dir() and has_weights(sub)}
@@ -174,6 +177,9 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
         "would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, or the "
         "same adapter_name as the run that saved it), or start a new run without resume_from_checkpoint."
     )
+
+
+DEFAULT_SCALE = 20.0  # the in-batch-negatives loss's inverse temperature in the paper (sentence-transformers' too)
 
 
 @dataclass
@@ -196,7 +202,8 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     )
     max_length: int = field(default=128, metadata={"help": "Longest tokenized text (prompt included) in tokens."})
     scale: float = field(
-        default=20.0, metadata={"help": "Inverse temperature of the in-batch-negatives loss (the paper: 20)."}
+        default=DEFAULT_SCALE,
+        metadata={"help": "Inverse temperature of the default in-batch-negatives loss (the paper: 20)."},
     )
     learning_rate: float = field(default=3e-4, metadata={"help": "Peak learning rate (the paper: 3e-4)."})
     per_device_train_batch_size: int = field(
@@ -249,6 +256,12 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
             )
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
             raise ValueError(f"scale={self.scale!r} must be a positive number, the loss's inverse temperature (as 20)")
+        if self.neftune_noise_alpha is not None:  # transformers' NEFTune needs the LM's get_input_embeddings
+            raise ValueError(
+                f"neftune_noise_alpha={self.neftune_noise_alpha} (NEFTune) is not supported in stage 1: "
+                "sentence-transformers' trainer cannot reach the embeddings of the model it trains, and failed at "
+                "train() with an AttributeError. Leave it unset here; stage 2 (RouterConfig) supports it."
+            )
         check_training_counts(self)
         super().__post_init__()
 
@@ -329,6 +342,13 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                     "ContrastiveConfig(gather_across_devices=True) sets the default loss's option, but a loss was "
                     "given: pass the option to that loss itself (e.g. loss=lambda st: "
                     "CachedMultipleNegativesRankingLoss(st, gather_across_devices=True)), and leave it False here."
+                )
+            if args.scale != DEFAULT_SCALE:  # the same: the given loss has its own scale (or none)
+                raise ValueError(
+                    f"ContrastiveConfig(scale={args.scale}) sets the default loss's inverse temperature, but a loss "
+                    f"was given, which keeps its own: pass it to that loss (e.g. loss=lambda st: "
+                    f"CachedMultipleNegativesRankingLoss(st, scale={args.scale})), and leave scale at {DEFAULT_SCALE} "
+                    "here."
                 )
             _check_loss_model(loss, self.sentence_transformer)
         super().__init__(
@@ -465,6 +485,17 @@ class RouterConfig(SFTConfig):
         super().__post_init__()
 
 
+def _routers_in_their_dtype(model: nn.Module) -> None:
+    """Put the routers back in config.router_dtype after a cast of the whole model (TRL's QLoRA recipe, or
+    transformers' bf16_full_eval outside train()): their logits, and so every top-1 decision, are computed and saved
+    in it."""
+    configs = getattr(model, "peft_config", {})
+    for layer in ubmoe_layers(model):
+        for adapter, router in layer.ubmoe_router.items():
+            if adapter in configs:
+                router.weight.data = router.weight.data.to(getattr(torch, configs[adapter].router_dtype))
+
+
 class RouterTrainer(SFTTrainer):
     """Stage 2: trains only the routers of ``model`` by SFT in mode moe (the default ``router_gradient="compare"``
     runs both experts on every token while the routers train, about one more FFN pass per step; ``"scale"`` keeps the
@@ -497,13 +528,7 @@ class RouterTrainer(SFTTrainer):
             )
         set_stage(model, "router")
         super().__init__(model=model, args=args, **kwargs)
-        # On a quantized base TRL casts every trainable parameter to bf16 (its QLoRA recipe). The routers keep
-        # config.router_dtype: their logits, and so every top-1 decision, are computed and saved in it.
-        configs = getattr(model, "peft_config", {})
-        for layer in ubmoe_layers(model):
-            for adapter, router in layer.ubmoe_router.items():
-                if adapter in configs:
-                    router.weight.data = router.weight.data.to(getattr(torch, configs[adapter].router_dtype))
+        _routers_in_their_dtype(model)  # TRL's QLoRA recipe casts every trainable parameter to bf16
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # Stage again when training starts (see ContrastiveTrainer.train): a stage-1 trainer made after this one left
@@ -512,12 +537,18 @@ class RouterTrainer(SFTTrainer):
         return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        with use_mode(self.model, "moe"):  # the stage's mode, whatever the model was left in since
-            return super().evaluate(*args, **kwargs)
+        try:
+            with use_mode(self.model, "moe"):  # the stage's mode, whatever the model was left in since
+                return super().evaluate(*args, **kwargs)
+        finally:
+            _routers_in_their_dtype(self.model)  # bf16_full_eval / fp16_full_eval cast the whole model outside train
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        with use_mode(self.model, "moe"):
-            output = super().predict(*args, **kwargs)
+        try:
+            with use_mode(self.model, "moe"):
+                output = super().predict(*args, **kwargs)
+        finally:
+            _routers_in_their_dtype(self.model)
         # TRL collects per-batch metrics in eval mode and empties them only when it logs, which predict never does:
         # the next evaluate() averaged the predicted batches into its bi_share (and TRL's entropy)
         metrics = getattr(self, "_metrics", {}).get("eval")

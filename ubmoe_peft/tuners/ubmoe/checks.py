@@ -294,13 +294,14 @@ def _check_modules_to_save(
       its ModuleDicts cannot be wrapped), or trains a projection the experts share;
     - a module holding a wrapped FFN (a decoder layer, ``layers``): the copy's UBMoE layers got a mode state of their
       own, and ``set_mode`` no longer reached them;
-    - while a mode-bi attention adapter is in use (``attention_r``, this adapter's or another's): the attention or
-      one of its linear layers, whose hooks the copy would not run (the adapter silently did nothing), or on which
-      the attention adapter was built.
+    - in a layer with a mode-bi attention adapter (``attention_r``, this adapter's or another's): the attention, a
+      module holding it, or one of its linear layers, whose hooks the copy would not run (the adapter silently did
+      nothing) or whose copy the adapter's own modules were taken for. Its norms (Qwen3's ``q_norm``) are fine.
     """
     if not config.modules_to_save:
         return
-    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    modules = list(model.named_modules(remove_duplicate=False))
+    names = [n for n, _ in modules if n]
     for name, module in targets.items():  # what this adapter adds to the wrapped FFNs
         ffn = module.base_layer if isinstance(module, UBMoELayer) else module
         inner = [n for n, _ in ffn.named_modules() if n]
@@ -308,30 +309,37 @@ def _check_modules_to_save(
         for container in _CONTAINERS:
             names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
             names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
-    attention = config.attention_r > 0 or any(isinstance(m, UBMoELayer) and m.ubmoe_attn_A for m in targets.values())
-    hooked = []  # the attentions and their linear layers, which the attention adapters hook
-    if attention:
-        index = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-        for _, layer in decoder_layers(model):
-            if (module := attention_module(layer)) is not None and id(module) in index:
-                hooked += [index[id(module)], *(f"{index[id(module)]}.{n}" for n in linear_projections(module))]
+    wrapped = {n for n, m in modules if isinstance(m, UBMoELayer)} | set(targets)  # every adapter's FFNs
+    # The attentions that get or have a mode-bi attention adapter, and the linear layers it hooks in them
+    layers = decoder_layers(model)
+    adapted = {layer_index(n) for n in targets} if config.attention_r else set()
+    adapted |= {m.layer_idx for _, m in modules if isinstance(m, UBMoELayer) and m.ubmoe_attn_A}
+    index = {id(m): n for n, m in modules}
+    attentions, hooked = [], []
+    for i in sorted(i for i in adapted if i is not None and i < len(layers)):
+        if (attention := attention_module(layers[i][1])) is not None and id(attention) in index:
+            attentions.append(index[id(attention)])
+            hooked += [f"{attentions[-1]}.{n}" for n in linear_projections(attention)]
 
     def under(name: str, roots: Iterable[str]) -> bool:
         return any(name == root or name.startswith(f"{root}.") for root in roots)
 
+    def holds(name: str, roots: Iterable[str]) -> bool:
+        return any(root.startswith(f"{name}.") for root in roots)
+
     reasons = (
         (
-            lambda n: under(n, targets),
+            lambda n: under(n, wrapped),
             "is inside an FFN UBMoE wraps: the FFNs are the experts, trained through the adapter",
         ),
         (
-            lambda n: any(t.startswith(f"{n}.") for t in targets),
+            lambda n: holds(n, wrapped),
             "holds an FFN UBMoE wraps: PEFT would run a copy of it, whose UBMoE layers the adapter's modes no longer "
             "reach",
         ),
         (
-            lambda n: under(n, hooked) or any(h.startswith(f"{n}.") for h in hooked),
-            "is, holds or lies in an attention whose linear layers a mode-bi attention adapter (attention_r) hooks: "
+            lambda n: n in attentions or under(n, hooked) or holds(n, attentions),
+            "is, holds or is a linear layer of an attention that a mode-bi attention adapter (attention_r) hooks: "
             "PEFT would run a copy without those hooks",
         ),
     )
@@ -359,8 +367,15 @@ def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str,
             f"of {ffn_name!r} has no self-attention module named 'self_attn', 'attention' or 'attn' with linear "
             "layers. Use attention_r=0."
         )
-    wrapped = next((n for n, m in attention.named_modules() if isinstance(m, AuxiliaryTrainingWrapper)), None)
-    if wrapped is not None:  # LoRA on the wrapper's inner layers, keyed by PEFT's internals: no save loads back
+    wrapped = next(
+        (
+            n
+            for n, m in attention.named_modules()
+            if isinstance(m, AuxiliaryTrainingWrapper) and any(isinstance(x, nn.Linear) for x in m.modules())
+        ),
+        None,
+    )
+    if wrapped is not None:  # LoRA on the wrapper's inner linear layers, keyed by PEFT's internals: no save loads back
         raise ValueError(
             f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the attention of "
             f"{ffn_name!r} holds {wrapped!r}, a trained copy of another adapter's modules_to_save. Use attention_r=0, "

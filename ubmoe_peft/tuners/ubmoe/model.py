@@ -208,10 +208,9 @@ class UBMoEModel(BaseTuner):
                     cache._ubmoe_filled_in = self._cache_tag()
                 except AttributeError:  # a cache type without attributes: unchecked
                     pass
-            if output is None:  # the forward raised (PyTorch calls an always-called hook with no output then)
-                self._ubmoe_state.abort_forward()
         finally:
-            self._ubmoe_state.unlock_forward()  # also when the forward raised (always_call)
+            # Also when the forward raised (always_call), which PyTorch says with no output
+            self._ubmoe_state.end_forward(failed=output is None)
 
     def _before_backbone(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         state = self._ubmoe_state
@@ -308,7 +307,11 @@ class UBMoEModel(BaseTuner):
                 f"adapter_names={kwargs['adapter_names']!r}: UBMoE runs one adapter per forward, not one per batch "
                 "row (PEFT's mixed-adapter batches). Run each adapter's rows separately, after model.set_adapter(name)."
             )
-        yield
+        try:
+            yield
+        except BaseException:
+            self._ubmoe_state.end_stale_forward()  # a KeyboardInterrupt out of a forward: its lock, its routing
+            raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self._enable_peft_forward_hooks(**kwargs):

@@ -90,23 +90,28 @@ class ModeState:
                 self.mode = previous
 
     def lock_forward(self) -> None:
-        """Take the forward lock for one forward of the decoder. A hold this thread still has is from a forward
-        that never reached its end (KeyboardInterrupt skips PyTorch's always-called hooks): it is released first,
-        or every other thread's next forward would wait for ever."""
-        stale = getattr(self._threads, "held", 0)
-        for _ in range(stale):
-            self.forward_lock.release()
+        """Take the forward lock for one forward of the decoder (`end_forward` releases it)."""
+        self.end_stale_forward()
         self.forward_lock.acquire()
         self._threads.held = 1
-        if stale:
-            self.abort_forward()  # that forward's routing is partial: no tally may count it
 
-    def unlock_forward(self) -> None:
-        """Release what `lock_forward` took in this thread; nothing when it took nothing (a hook before ours
-        raised before the forward could start)."""
+    def end_forward(self, failed: bool = False) -> None:
+        """Release what `lock_forward` took in this thread; nothing when it took nothing (a hook before ours raised
+        before the forward could start). A forward that ``failed`` leaves no partial routing: the layers it ran are
+        dropped and the last completed forward's kept (already tallied, so no `track_routing` block counts it
+        twice)."""
         if getattr(self._threads, "held", 0) > 0:
+            completed = self.__dict__.pop("_completed", None)  # what the routing was before this forward began
+            if failed and completed is not None:
+                self.routing, self.routing_mask = completed
             self._threads.held = 0
             self.forward_lock.release()
+
+    def end_stale_forward(self) -> None:
+        """End a forward of this thread that never reached its end: KeyboardInterrupt skips PyTorch's always-called
+        hooks, so it kept the lock (every other thread's forward would wait for ever) and its partial routing.
+        Called where the interrupt passes (the per-call hooks, the embedding call) and at the thread's next forward."""
+        self.end_forward(failed=True)
 
     def __getstate__(self) -> dict:
         # A deep copy (TRL reference models) or a pickle gets its own lock, held by no thread
@@ -127,7 +132,7 @@ class ModeState:
         """A forward starts: keep which of its tokens are real, for the routing statistics. ``past``: tokens already
         in the KV cache (None: unknown)."""
         self.tally()  # the previous forward's routing, before it is replaced
-        self._completed = (self.routing, self.routing_mask)  # what `abort_forward` puts back
+        self._completed = (self.routing, self.routing_mask)  # what `end_forward` puts back if this forward fails
         if attention_mask is not None and attention_mask.dim() == 4:
             # A 4D mask (used as given): the real keys are those some query may attend to; a padding key none.
             queries = attention_mask.shape[-2]
@@ -140,11 +145,6 @@ class ModeState:
         if self.mode == "moe" and self.adapters_enabled:
             self.routing = {}
             self.routing_mask = self.token_mask
-
-    def abort_forward(self) -> None:
-        """The forward that `begin_forward` started raised: drop the routing of the layers it ran, and keep the last
-        completed forward's for `routing_stats` (already tallied, so no `track_routing` block counts it twice)."""
-        self.routing, self.routing_mask = self.__dict__.pop("_completed", (self.routing, self.routing_mask))
 
     def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
         """Keep a layer's routing without a graph: top-1 router logits (B, T, 2) or the top-2 bi weight (B, T).
