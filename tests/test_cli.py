@@ -142,7 +142,18 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     assert dep["uni"]["subsequent"] == pytest.approx(0, abs=1e-6) and dep["bi"]["subsequent"] > 1
     assert "| mode | preceding | self | subsequent |" in capsys.readouterr().out
 
+    # TRL's --dataset_text_field names the texts' column (the data loader kept only a column called "text")
+    body = tmp_path / "body.jsonl"
+    body.write_text("".join(json.dumps({"body": w(*range(i, i + 9)), "id": i}) + "\n" for i in range(3, 11)))
+    run(["train-router", *model, "--adapter", stage1, "--data", str(body), "--dataset_text_field", "body"]
+        + ["--output_dir", str(tmp_path / "body"), "--max_steps", "1", "--max_length", "32", *FAST])  # fmt: skip
+    assert (tmp_path / "body" / "adapter_model.safetensors").is_file()
+    capsys.readouterr()
+    # the MoE export of a stage-1 adapter is the base model (zero routers tie to the original FFN): said so
+    run(["export", *model, "--adapter", stage1, "--output_dir", str(tmp_path / "stage1-moe")])
+    assert "untrained routers (all zero" in capsys.readouterr().err
     run(shlex.split(hint[0])[1:])
+    assert "untrained" not in capsys.readouterr().err
     mixtral = AutoModelForCausalLM.from_pretrained(exported).eval()
     ids, mask = batch()
     with torch.no_grad(), ubmoe_peft.use_mode(trained, "moe"):
@@ -420,6 +431,13 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["train-contrastive", "--data", "{texts}", "--attention_dropout", "0"], ValueError, "SimCSE.*two identical"),
         (["eval-sts", "--data", "{sts}", "--device", "gpu0"], ValueError, "--device 'gpu0' is not a device .*'cpu'"),
         (["eval-sts", "--data", "{sts}", "--gguf_file", "q.gguf"], ValueError, "'q.gguf' is not a file in --model"),
+        # --gguf_file was ignored beside the packaged model; a GGUF file as --model was "not a valid JSON file"
+        (["eval-sts", "--model", "smollm2", "--gguf_file", "q.gguf"], ValueError, "but --model is 'smollm2'"),
+        (["eval-sts", "--data", "{sts}", "--model", "{bad}/m.gguf"], ValueError, "a GGUF file.*--gguf_file 'm.gguf'"),
+        (["eval-sts", "--data", "{sts}", "--adapter", "{bad}/ckpt"], ValueError, "stage-1 training checkpoint: its"),
+        (["train-router", "--adapter", "a", "--dataset_text_field", "body"], ValueError, "'body' is not a column"),
+        # the template alone filled max_length: every text was cut away and all embedded as the same one
+        (["eval-sts", "--data", "{sts}", "--max_length", "3"], ValueError, "max_length=3 leaves no room for the text"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{model}"], ValueError, "without adapter_config.*as --model"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{bad}"], ValueError, "folder without adapter_config.json"),
         (["eval-lm", "--data", "missing.txt", "--modes", "uni", "bi"], ValueError, "mode 'bi' are meaningless"),
@@ -459,6 +477,10 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "no_user.jsonl").write_text(json.dumps(no_user) + "\n")
     blank_turn = {"messages": [{"role": "user", "content": w(3)}, {"role": "assistant", "content": " "}]}
     (bad / "blank_turn.jsonl").write_text(json.dumps(blank_turn) + "\n")
+    (bad / "m.gguf").write_bytes(b"GGUF")
+    (bad / "ckpt" / "ubmoe_adapter").mkdir(parents=True)  # a stage-1 (sentence-transformers) checkpoint
+    (bad / "ckpt" / "config.json").write_text("{}")
+    (bad / "ckpt" / "ubmoe_adapter" / "adapter_config.json").write_text("{}")
     lora = get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"]))
     lora.save_pretrained(bad / "lora")
     argv = [a.format(bad=bad, lora=bad / "lora", **files) for a in argv]

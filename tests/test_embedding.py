@@ -101,9 +101,12 @@ def test_truncation_pads_to_max_length_and_refuses_a_max_length_the_template_can
     options = {"text": {"padding": "max_length"}}  # the re-pad after keeping the template's end lost max_length
     features = st[0].preprocess([w(*range(5, 13)), w(5)], processing_kwargs=options)
     assert features["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 101, 102, 0, 0]]
-    st.max_seq_length = 2  # the template's 2 tokens after {text} fill it: the row came back whole, 11 tokens
-    with pytest.raises(ValueError, match=r"max_length=2 cannot hold the end of prompt=.*the 2 tokens after '\{text\}'"):
-        st[0].preprocess([w(*range(5, 13))])
+    for limit in (2, 3):  # the template's 2 tokens after {text} filled 2: the row came back whole, 11 tokens; at 3
+        st.max_seq_length = limit  # every text was cut away and embedded as the template alone (train loss ln 8)
+        with pytest.raises(ValueError, match=rf"max_length={limit} leaves no room for the text: .* take 3 tokens"):
+            st[0].preprocess([w(*range(5, 13)), w(5)])
+    st.max_seq_length = 4
+    assert st[0].preprocess([w(*range(5, 13))])["input_ids"].tolist() == [[100, 5, 101, 102]]
 
 
 def _counted(tokenizer, calls, *args, **kwargs):

@@ -110,7 +110,13 @@ def _rename_ffn(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _bidirectional(model: torch.nn.Module) -> torch.nn.Module:
+    model.config.is_causal = False  # as a bi export saves it: modes uni and moe were bidirectional too
+    return model
+
+
 BAD_WRAPS = {
+    "a bidirectional base": (dict(), _bidirectional, ["is_causal=False", "bi export", "original causal base"]),
     "target not found": (dict(target_modules=["feedforward"]), None, ["['feedforward']", "not found", "'mlp'"]),
     "no known FFN": (dict(), _rename_ffn, ["mystery", "'mixer'", "target_modules"]),
     "layers out of range": (dict(layers_to_transform=[5]), None, ["[5]", "2 decoder layers", "0..1"]),

@@ -284,6 +284,16 @@ def test_a_resume_under_another_adapter_name(tokenizer, tmp_path, stage):
         assert torch.equal(param, params[name.replace(".emb.", ".default.")]), name
 
 
+def test_stage_2_refuses_to_resume_a_stage_1_checkpoint(tmp_path):
+    """It was told to resume under another adapter name ("holds adapters ['ubmoe_adapter']")."""
+    from ubmoe_peft.trainers import checkpoint_adapter
+
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    model.save_pretrained(tmp_path / "checkpoint-4" / "ubmoe_adapter")
+    with pytest.raises(AdapterMismatchError, match="is a stage-1 .contrastive. checkpoint, which stage 2 cannot"):
+        checkpoint_adapter(model, tmp_path / "checkpoint-4", "checkpoint-4")
+
+
 def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp_path):
     from peft.utils import load_peft_weights
 

@@ -208,6 +208,11 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
                 "PEFT adapters with peft.PeftModel.from_pretrained."
             )
     if args.model == "smollm2":
+        if args.gguf_file:  # it would be ignored: --model smollm2 loads its own file
+            raise ValueError(
+                f"--gguf_file {args.gguf_file!r} names a file in a --model folder, but --model is 'smollm2' (the "
+                "packaged SmolLM2-135M-Instruct, which loads its own file). Pass the GGUF file's folder as --model."
+            )
         model, tokenizer = load_smollm2(dtype=dtypes[args.dtype])
     else:
         _check_model_folder(args)
@@ -240,7 +245,12 @@ def _adapter_config(adapter: str) -> Any:
 
     folder = Path(adapter)
     if folder.is_dir() and not (folder / "adapter_config.json").is_file():
-        hint = " It holds a model: pass it as --model." if (folder / "config.json").is_file() else ""
+        if (folder / "ubmoe_adapter" / "adapter_config.json").is_file():  # a stage-1 checkpoint (sentence-transformers)
+            hint = f" It is a stage-1 training checkpoint: its adapter is {str(folder / 'ubmoe_adapter')!r}."
+        elif (folder / "config.json").is_file():
+            hint = " It holds a model: pass it as --model."
+        else:
+            hint = ""
         raise ValueError(
             f"--adapter {adapter!r} is a folder without adapter_config.json, so not a saved adapter. Pass the folder "
             f"that train-contrastive or train-router saved to (their --output_dir).{hint}"
@@ -264,6 +274,11 @@ def _check_model_folder(args: ModelArgs) -> None:
     """A local --model is a whole model folder: not an adapter folder, and not one holding an adapter too (transformers
     would load that adapter into the base model on its own, and ours would then wrap a model already adapted)."""
     folder = Path(args.model)
+    if folder.is_file() and folder.suffix == ".gguf":
+        raise ValueError(
+            f"--model {args.model!r} is a GGUF file; transformers loads one from its folder: pass --model "
+            f"{str(folder.parent)!r} --gguf_file {folder.name!r}."
+        )
     if folder.is_dir() and args.gguf_file and not (folder / args.gguf_file).is_file():
         found = sorted(p.name for p in folder.glob("*.gguf"))
         raise ValueError(
@@ -353,7 +368,8 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
     columns = list(dict.fromkeys(key for values in results.values() for key in values))
     lines = [f"\n{title}\n", "| mode | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for mode, values in results.items():
-        cells = [("" if c not in values else f"{values[c]}" if isinstance(values[c], int) else f"{values[c]:.2f}")
+        cells = [("" if c not in values else f"{values[c]}" if isinstance(values[c], int)
+                  else f"{values[c]:.4f}" if c == "loss" else f"{values[c]:.2f}")  # modes' losses differ by 1e-3
                  for c in columns]  # fmt: skip
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
@@ -494,7 +510,8 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
     if model_args.adapter is None:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
     _check_adapter_output(config.output_dir)
-    rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config)
+    rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config, config.dataset_text_field)
+    config.dataset_text_field = "text"  # load_rows named the column so
     resume = _resume(config)
     model, tokenizer = load_model(model_args, trainable=True)
     with _removed_if_left_empty(config.output_dir):
@@ -511,7 +528,17 @@ def export(model_args: ModelArgs, args: ExportArgs) -> str:
 
     if model_args.adapter is None:
         raise ValueError("export needs --adapter, the folder of the trained UBMoE adapter.")
+    from .modes import ubmoe_layers
+
     model, tokenizer = load_model(model_args)
+    routers = [r.weight for layer in ubmoe_layers(model) for r in layer.ubmoe_router.values()]
+    if args.target == "moe" and routers and not any(bool(w.any()) for w in routers):
+        print(  # a stage-1 adapter: zero routers tie, and a tie routes every token to the original FFN
+            f"warning: --adapter {model_args.adapter!r} has untrained routers (all zero, as stage 1 leaves them), so "
+            "the MoE export routes every token to the original FFN: it computes the base model, at twice its FFN "
+            "size. Train the routers first (ubmoe train-router), or export the embedding model (--target bi).",
+            file=sys.stderr,
+        )
     merged = model.merge_and_unload(target=args.target, safe_merge=args.safe_merge)
     with atomic_folder(args.output_dir) as tmp:
         merged.save_pretrained(tmp)

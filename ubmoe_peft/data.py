@@ -33,10 +33,16 @@ HARD_NEGATIVE = re.compile(r"negative(_?\d+)?")  # negative, negative_1, negativ
 
 
 def load_rows(
-    spec: str | None, task: str, split: str = "train", limit: int | None = None, config: str | None = None
+    spec: str | None,
+    task: str,
+    split: str = "train",
+    limit: int | None = None,
+    config: str | None = None,
+    text_field: str = "text",
 ) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id, with its ``config`` where it has
-    several; None: the demo data)."""
+    several; None: the demo data). ``text_field`` is read as the plain-text column "text" (TRL's
+    ``dataset_text_field``)."""
     from datasets import load_from_disk
 
     if spec is None:
@@ -67,6 +73,13 @@ def load_rows(
         rows = _select_split(_read_folder(path.absolute()), split, f"data folder {spec!r}")
     else:
         rows = _load_hub_dataset(spec, config, split)
+    if text_field != "text":
+        if text_field not in rows.column_names:
+            raise ValueError(
+                f"--dataset_text_field {text_field!r} is not a column of data {spec!r} (its columns: "
+                f"{rows.column_names}). Name the column of plain texts, or drop the option."
+            )
+        rows = rows.select_columns([text_field]).rename_column(text_field, "text")  # the texts, under TRL's name
     rows = _select(rows, task, spec)
     one_row = len(rows) == 1  # of the whole data, before --max_rows: a file of one object of columns reads as one
     if limit is not None and limit < len(rows):

@@ -113,6 +113,14 @@ class UBMoEEncoder(InputModule):
                 )
             options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
+        if options.get("truncation") is True and isinstance(max_length := options.get("max_length"), int):
+            frame = len(self.tokenizer((prompt or "") + self._apply_prompt(""))["input_ids"])
+            if frame >= max_length:  # truncation kept the template alone: every text embedded as the same one
+                raise ValueError(
+                    f"max_length={max_length} leaves no room for the text: the prompt and template alone "
+                    f"({(prompt or '') + self._apply_prompt('{text}')!r}) take {frame} tokens. Raise max_length "
+                    f"above {frame} (or shorten the prompt)."
+                )
         features = self._tokenize(texts, options)
         if prompt:
             features["prompt_length"] = self._prompt_length(prompt)
@@ -156,7 +164,9 @@ class UBMoEEncoder(InputModule):
                     f"max_length above {keep} (or shorten the prompt's end)."
                 )
             rows.append(ids if len(ids) <= limit else ids[: limit - keep] + ids[len(ids) - keep :])
-        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of", "max_length")}
+        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of")}
+        if padding.get("padding") == "max_length":  # else the tokenizer warns that it ignores max_length
+            padding["max_length"] = limit
         return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", **padding))
 
     def _prompt_length(self, prompt: str) -> int:

@@ -171,6 +171,12 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
         return saved[adapter]
     if list(saved) == ["default"]:
         return folder
+    if (folder / "ubmoe_adapter" / CONFIG_NAME).is_file():  # sentence-transformers' layout: stage 1's checkpoint
+        raise AdapterMismatchError(
+            f"Checkpoint {checkpoint!r} is a stage-1 (contrastive) checkpoint, which stage 2 cannot resume: its "
+            f"adapter ({folder / 'ubmoe_adapter'}) is what stage 2 starts from (--adapter on the command line). Resume "
+            "stage 2 from one of its own checkpoints, or start it without resume_from_checkpoint."
+        )
     held = f"adapters {list(saved)}" if saved else "no adapter weights"
     raise AdapterMismatchError(
         f"Checkpoint {checkpoint!r} holds {held} ({folder}), but the model trains adapter {adapter!r}: its weights "

@@ -218,6 +218,13 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
 
 def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
+    if getattr(text_config(model), "is_causal", True) is False:  # masking_utils then builds no causal mask at all
+        raise ValueError(
+            f"The base model ({type(model).__name__}) has is_causal=False in its config: it is a bidirectional "
+            "model (such as a bi export, `ubmoe export --target bi` or merge_and_unload(target='bi')), so modes uni "
+            "and moe would not be causal either. UBMoE pairs a causal decoder's FFNs with bidirectional twins: wrap "
+            "the original causal base model."
+        )
     signature = base_signature(model)
     if config.base_model_signature is None:
         config.base_model_signature = signature
