@@ -512,7 +512,7 @@ def test_results_that_are_not_finite_are_written_as_json_null(tmp_path, capsys):
     output = tmp_path / "results.json"
     results = {"uni": {"loss": 1.5, "perplexity": float("inf")}, "moe": {"loss": float("nan"), "perplexity": 4.0}}
     _report(results, EvalArgs(output=str(output)), "LM")
-    assert "| uni | 1.50 | inf |" in capsys.readouterr().out
+    assert "| uni | 1.5000 | inf |" in capsys.readouterr().out
     assert json.loads(output.read_text()) == {  # Python's json would write bare Infinity / NaN, which is not JSON
         "uni": {"loss": 1.5, "perplexity": None},
         "moe": {"loss": None, "perplexity": 4.0},

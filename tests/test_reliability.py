@@ -181,6 +181,9 @@ def test_modules_to_save_and_an_attention_adapter_of_two_adapters_are_refused_bo
     with pytest.raises(ValueError, match=r"attention_r=2.*'q_proj', a trained copy.*attention_r=0"):
         model.add_adapter("two", ubmoe_peft.UBMoEConfig(attention_r=2))
     assert same_state(model, before) and list(model.peft_config) == ["default"]
+    model = wrap(modules_to_save=["layers.0.self_attn"])  # a copy of the whole attention (it was named '')
+    with pytest.raises(ValueError, match=r"of 'model.layers.0.mlp' is a trained copy of another adapter's"):
+        model.add_adapter("two", ubmoe_peft.UBMoEConfig(attention_r=2))
 
 
 @pytest.mark.parametrize("case", sorted(BAD_WRAPS))

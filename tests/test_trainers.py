@@ -232,6 +232,12 @@ def test_a_full_bf16_evaluation_leaves_the_routers_in_their_dtype(tokenizer, tmp
     trainer.evaluate()
     routers = [p for n, p in model.named_parameters() if ".ubmoe_router." in n]
     assert routers and all(p.dtype == torch.float32 for p in routers)
+    args = ContrastiveConfig(
+        output_dir=str(tmp_path / "1"), per_device_eval_batch_size=8, bf16_full_eval=True, use_cpu=True, **QUIET
+    )
+    trainer = ContrastiveTrainer(model, tokenizer, args=args, train_dataset=_pairs(8), eval_dataset=_pairs(8))
+    trainer.evaluate()
+    assert all(p.dtype == torch.float32 for p in routers)
 
 
 def _stage_run(stage: str, tokenizer, out, adapter: str = "default", **settings):

@@ -113,40 +113,38 @@ class UBMoEEncoder(InputModule):
                 )
             options.update(values)
         texts = [(prompt or "") + self._apply_prompt(t) for t in inputs]
-        if options.get("truncation") is True and isinstance(max_length := options.get("max_length"), int):
-            frame = len(self.tokenizer((prompt or "") + self._apply_prompt(""))["input_ids"])
-            if frame >= max_length:  # truncation kept the template alone: every text embedded as the same one
-                raise ValueError(
-                    f"max_length={max_length} leaves no room for the text: the prompt and template alone "
-                    f"({(prompt or '') + self._apply_prompt('{text}')!r}) take {frame} tokens. Raise max_length "
-                    f"above {frame} (or shorten the prompt)."
-                )
-        features = self._tokenize(texts, options)
+        features = self._tokenize(texts, options, (prompt or "") + self._apply_prompt(""))
+        empty = [i for i, row in enumerate(features["attention_mask"]) if not row.any()]
+        if empty:  # alone it failed inside attention; in a batch it pooled an all-padding row into a zero vector
+            raise ValueError(  # sentence-transformers sorts a batch by length: name the text, not an index
+                f"A text to embed, {inputs[empty[0]]!r}, becomes no token at all (no special token, prompt or "
+                "template adds any), so there is nothing to embed. Leave out empty texts, or set a template with "
+                "'{text}' in it."
+            )
         if prompt:
             features["prompt_length"] = self._prompt_length(prompt)
-        # A text of no token of its own: alone it failed inside attention; in a batch it was pooled from padding (or
-        # from a prompt that the pooling leaves out) into a zero vector
-        own = features["attention_mask"].sum(dim=-1) - features.get("prompt_length", 0)  # (B,)
-        if not bool((own > 0).all()):
-            text = inputs[int((own <= 0).nonzero()[0])]  # sentence-transformers sorts a batch: name the text itself
-            raise ValueError(
-                f"A text to embed, {text!r}, becomes no token of its own (this tokenizer adds no special token, and no "
-                "template adds words around it), so there is nothing to embed. Leave out empty texts, or set a "
-                "template with '{text}' in it."
-            )
         return features
 
-    def _tokenize(self, texts: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    def _tokenize(self, texts: list[str], options: dict[str, Any], frame: str) -> dict[str, Any]:
         """The tokenizer's batch, except that a row over ``max_length`` keeps the end of the template (the paper's
         ``is:"``, which last-token pooling reads) and loses the end of its text instead: right truncation used to cut
-        the template's words after ``{text}``."""
+        the template's words after ``{text}``. ``frame``: the prompt and template around an empty text."""
         features = dict(self.tokenizer(texts, return_tensors="pt", **options))
-        suffix = self.prompt.split("{text}", 1)[1] if self.prompt and "{text}" in self.prompt else ""
         limit = options.get("max_length")
-        if not suffix.strip() or options.get("truncation") is not True or not isinstance(limit, int):
+        if options.get("truncation") in (None, False, "do_not_truncate") or not isinstance(limit, int):
             return features
         mask = features.get("attention_mask")
         if mask is not None and int(mask.sum(-1).max()) < limit:  # no row reached the limit: none was cut
+            return features
+        frame_length = len(self.tokenizer(frame)["input_ids"])
+        if frame_length >= limit:  # truncation kept the frame alone: every text was embedded as the same one
+            raise ValueError(
+                f"max_length={limit} leaves no room for the text: the prompt and template around it ({frame!r} for "
+                f"an empty text) take {frame_length} tokens. Raise max_length above {frame_length} (or shorten the "
+                "prompt)."
+            )
+        suffix = self.prompt.split("{text}", 1)[1] if self.prompt and "{text}" in self.prompt else ""
+        if not suffix.strip() or options.get("truncation") is not True:
             return features
         full = self.tokenizer(texts)["input_ids"]  # only a batch with a row at the limit is tokenized in full
         if all(len(ids) <= limit for ids in full):

@@ -373,6 +373,18 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         with attention_dropout(self.peft_model, self.args.attention_dropout):
             return super().train(*args, **kwargs)
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            _routers_in_their_dtype(self.peft_model)  # as RouterTrainer.evaluate
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().predict(*args, **kwargs)
+        finally:
+            _routers_in_their_dtype(self.peft_model)
+
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         """Load a checkpoint of this run (``train(resume_from_checkpoint=...)``, ``load_best_model_at_end``) into the
         model being trained.

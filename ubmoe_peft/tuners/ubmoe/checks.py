@@ -385,8 +385,8 @@ def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str,
     if wrapped is not None:  # LoRA on the wrapper's inner linear layers, keyed by PEFT's internals: no save loads back
         raise ValueError(
             f"UBMoEConfig(attention_r={config.attention_r}) adds a mode-bi attention adapter, but the attention of "
-            f"{ffn_name!r} holds {wrapped!r}, a trained copy of another adapter's modules_to_save. Use attention_r=0, "
-            "or keep that adapter's modules_to_save outside the attention."
+            f"{ffn_name!r} {f'holds {wrapped!r},' if wrapped else 'is'} a trained copy of another adapter's "
+            "modules_to_save. Use attention_r=0, or keep that adapter's modules_to_save outside the attention."
         )
     for proj_name, proj in linear_projections(attention).items():
         if config.attention_r > min(proj.in_features, proj.out_features):
