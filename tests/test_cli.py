@@ -436,6 +436,10 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["eval-sts", "--data", "{sts}", "--model", "{bad}/m.gguf"], ValueError, "a GGUF file.*--gguf_file 'm.gguf'"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{bad}/ckpt"], ValueError, "stage-1 training checkpoint: its"),
         (["train-router", "--adapter", "a", "--dataset_text_field", "body"], ValueError, "'body' is not a column"),
+        # checked before the model loads (after it, with a 30 s load on the real model)
+        (["eval-sts", "--data", "missing.tsv", "--pooling", "maxx"], ValueError, "pooling='maxx' is not a pool"),
+        (["train-contrastive", "--pooling", "maxx"], ValueError, "pooling='maxx' is not a pooling mode"),
+        (["eval-sts", "--data", "missing.tsv", "--prompt", "a {{b}}"], ValueError, "has the placeholder '{b}'"),
         # the template alone filled max_length: every text was cut away and all embedded as the same one
         (["eval-sts", "--data", "{sts}", "--max_length", "3"], ValueError, "max_length=3 leaves no room for the text"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{model}"], ValueError, "without adapter_config.*as --model"),

@@ -47,6 +47,16 @@ def check_prompt(prompt: str | None) -> None:
         )
 
 
+def check_pooling(pooling: Any) -> None:
+    """``pooling`` is a sentence-transformers pooling mode or a list of them; checked before a model loads (the
+    command line) and before sentence-transformers' Pooling, which fails on None or [] with "'NoneType' object is not
+    iterable"."""
+    modes = [pooling] if isinstance(pooling, str) else pooling
+    known = list(Pooling.POOLING_MODES)
+    if not isinstance(modes, (list, tuple)) or not modes or not all(isinstance(m, str) and m in known for m in modes):
+        raise ValueError(f"pooling={pooling!r} is not a pooling mode: give one of {known} (or a list of them).")
+
+
 class UBMoEEncoder(InputModule):
     """Tokenizes (optionally inside a ``{text}`` template) and returns token embeddings in ``mode`` (bi)."""
 
@@ -323,12 +333,7 @@ def to_sentence_transformer(
     only: "uni" embeds with the base model (causal attention), as a baseline.
     """
     check_tokenizer(tokenizer)
-    modes = [pooling] if isinstance(pooling, str) else pooling
-    if not isinstance(modes, (list, tuple)) or not modes or not all(isinstance(m, str) for m in modes):
-        # sentence-transformers' Pooling fails on these with "'NoneType' object is not iterable"
-        raise ValueError(
-            f"pooling={pooling!r} is not a pooling mode: give one of {list(Pooling.POOLING_MODES)} (or a list of them)."
-        )
+    check_pooling(pooling)
     if not ubmoe_layers(model):
         raise ValueError(
             f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig()). A "

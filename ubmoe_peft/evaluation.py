@@ -265,7 +265,8 @@ def check_scoring_mode(mode: str | None) -> None:
     if mode == "bi":
         raise ValueError(
             "Likelihood scores in mode 'bi' are meaningless: bidirectional attention lets each position see the "
-            "token it is asked to predict. Score modes 'uni' or 'moe'; evaluate mode bi with sts_spearman."
+            "token it is asked to predict. Score modes 'uni' or 'moe'; evaluate mode bi with sts_spearman (ubmoe "
+            "eval-sts)."
         )
 
 

@@ -245,9 +245,10 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     def __post_init__(self) -> None:
         if self.prompt in ("none", "None", ""):  # command-line spelling of "no prompt"
             self.prompt = None
-        from .embedding import check_prompt
+        from .embedding import check_pooling, check_prompt
 
         check_prompt(self.prompt)
+        check_pooling(self.pooling)  # before a model loads (the command line)
         if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
             raise ValueError(
                 f"max_length={self.max_length!r} must be a positive number of tokens (e.g. 128): stage 1 embeds texts "
