@@ -455,6 +455,15 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["train-contrastive", "--output_dir", "{lora}"], ValueError, "already holds a saved adapter .*overwrite"),
         (["train-router", "--adapter", "{lora}", "--output_dir", "{lora}"], ValueError, "already holds a saved"),
         (["train-contrastive", "--top_k", "3", "--data", "missing.jsonl"], ValueError, "top_k=3\\) is invalid"),
+        # evaluation data: transformers named the missing eval_dataset only once the trainer was built
+        (["train-contrastive", "--eval_strategy", "steps"], ValueError, "no evaluation data was given. Pass --eval"),
+        (["train-router", "--adapter", "a", "--eval_data", "{texts}"], ValueError, "--eval_strategy is 'no', so it"),
+        (["train-contrastive", "--eval_split", "train", "--eval_strategy", "epoch"], ValueError, "is --split itself"),
+        (
+            ["train-contrastive", "--data", "{triplets}", "--eval_split", "dev", "--eval_strategy", "epoch"],
+            ValueError,
+            "Evaluation data .*--eval_split 'dev'.*holds one split, 'train'",
+        ),
     ],
 )
 def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
@@ -490,6 +499,36 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     argv = [a.format(bad=bad, lora=bad / "lora", **files) for a in argv]
     with pytest.raises(error, match=message):
         run([argv[0], "--model", files["model"], *argv[1:]])
+
+
+def test_training_evaluates_on_eval_data_or_a_held_out_slice(files, tmp_path, capsys):
+    """--eval_data / --eval_split reach the trainers as eval_dataset: stage 1 on a slice --split leaves out, stage 2
+    on another file, both at every --eval_steps (there was no way to pass evaluation data)."""
+    stage1, stage2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    every = ["--eval_strategy", "steps", "--eval_steps", "1", "--max_steps", "2", "--per_device_train_batch_size", "4"]
+    split = ["--split", "train[:24]", "--eval_split", "train[24:]"]
+    run(["train-contrastive", "--model", files["model"], "--data", files["triplets"], *split, *every, *FAST,
+         "--output_dir", stage1])  # fmt: skip
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n".join(w(*range(i, i + 6)) for i in range(60, 66)) + "\n")
+    run(["train-router", "--model", files["model"], "--adapter", stage1, "--data", files["texts"], "--eval_data",
+         str(held_out), *every, *FAST, "--output_dir", stage2])  # fmt: skip
+    logs = [json.loads(line.replace("'", '"')) for line in capsys.readouterr().out.splitlines() if "eval_loss" in line]
+    assert len(logs) == 4 and all(float(log["eval_loss"]) > 0 for log in logs)  # 2 steps x 2 stages
+    assert all("eval_bi_share" in log for log in logs[2:])  # stage 2 evaluates in mode moe and logs its routing
+
+
+def test_report_to_an_integration_that_is_not_installed_is_named_before_the_model_loads(files, monkeypatch):
+    """transformers raised a RuntimeError (a traceback) once the trainer was built, after the model had loaded (here
+    wandb is absent, whatever is installed)."""
+    import transformers.integrations.integration_utils as integrations
+
+    monkeypatch.setattr(
+        integrations, "get_available_reporting_integrations", lambda: ["tensorboard"]
+    )  # wandb absent, whatever is installed
+    monkeypatch.setattr("ubmoe_peft.cli.load_model", None)  # never reached
+    with pytest.raises(ValueError, match="--report_to wandb: wandb is not installed .pip install wandb"):
+        run(["train-router", "--adapter", "a", "--model", files["model"], "--report_to", "wandb"])
 
 
 def test_a_wrong_model_folder_is_named_with_the_fix(files, tmp_path):

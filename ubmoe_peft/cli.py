@@ -98,6 +98,77 @@ class DataArgs:
 
 
 @dataclass
+class TrainDataArgs(DataArgs):
+    eval_data: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation data, any form --data takes; used as training evaluates (--eval_strategy steps or "
+            "epoch). Default: --data itself, when --eval_split is given."
+        },
+    )
+    eval_split: str | None = field(
+        default=None,
+        metadata={
+            # %% is argparse's escape of a percent sign in help texts
+            "help": "Split of the evaluation data, e.g. 'validation', or a slice of --data's rows that --split leaves "
+            "out: --split 'train[:90%%]' --eval_split 'train[90%%:]'. Default with --eval_data: "
+            "'train' (a file's one split)."
+        },
+    )
+
+    def eval_rows(self, task: str, config: Any, text_field: str = "text") -> Any:
+        """The evaluation rows, or None; refused unless --eval_strategy evaluates on them, and --eval_strategy
+        without them (checked before the model loads: the trainers found out only once built)."""
+        from .data import load_rows
+
+        given = self.eval_data is not None or self.eval_split is not None
+        strategy = str(getattr(config.eval_strategy, "value", config.eval_strategy))
+        if given and strategy == "no":
+            raise ValueError(
+                "--eval_data / --eval_split give evaluation data, but --eval_strategy is 'no', so it would never be "
+                "used. Add --eval_strategy steps --eval_steps N (or --eval_strategy epoch)."
+            )
+        if not given:
+            if strategy != "no":
+                raise ValueError(
+                    f"--eval_strategy {strategy!r} evaluates during training, but no evaluation data was given. Pass "
+                    "--eval_data (a file or dataset) and/or --eval_split (e.g. 'validation', or 'train[90%:]' with "
+                    "--split 'train[:90%]'), or drop --eval_strategy."
+                )
+            return None
+        if self.eval_data is None and self.eval_split == self.split:
+            raise ValueError(
+                f"--eval_split {self.eval_split!r} is --split itself, so training would be evaluated on its own rows. "
+                "Name another split, or slice one: --split 'train[:90%]' --eval_split 'train[90%:]'."
+            )
+        spec = self.data if self.eval_data is None else self.eval_data
+        try:
+            return load_rows(spec, task, self.eval_split or "train", None, self.data_config, text_field)
+        except ValueError as err:  # its messages name --data / --split: say they are the evaluation data's
+            where = f"--eval_data {spec!r}, --eval_split {self.eval_split!r}"
+            raise ValueError(f"Evaluation data ({where}): {err}") from err
+
+
+def check_report_to(config: Any) -> None:
+    """Every --report_to integration is installed (checked before the model loads: transformers' callback raised
+    only when the trainer was built, with a traceback)."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    available = get_available_reporting_integrations()  # transformers' own check of each integration's package
+    # flyte is the one integration that function does not check; its callback checks itself.
+    checked = set(INTEGRATION_TO_CALLBACK) - {"flyte"}
+    missing = [name for name in config.report_to or [] if name in checked and name not in available]
+    if missing:
+        raise ValueError(
+            f"--report_to {' '.join(config.report_to)}: {', '.join(missing)} is not installed (pip install "
+            f"{' '.join(missing)}), or drop it (--report_to none logs to the console only)."
+        )
+
+
+@dataclass
 class EvalArgs:
     modes: list[str] | None = field(
         default=None, metadata={"help": "Modes to evaluate, among uni, bi, moe. Default depends on the command."}
@@ -454,7 +525,7 @@ def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str,
 SIMCSE_DROPOUT = 0.1  # SimCSE's dropout rate (Gao, Yao and Chen, 2021), here on the attention weights
 
 
-def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, config: Any) -> str:
+def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, config: Any) -> str:
     """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir."""
     from .data import contrastive_pairs, load_rows
     from .trainers import ContrastiveTrainer
@@ -468,9 +539,11 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
         )
     _check_adapter_output(config.output_dir)
     resume = _resume(config)
+    check_report_to(config)
     if model_args.adapter is None:
         UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows, data.data_config)
+    eval_rows = data.eval_rows("contrastive", config)
     if rows.column_names == ["text"]:  # unsupervised SimCSE: each text paired with itself
         if config.attention_dropout == 0:
             raise ValueError(
@@ -483,8 +556,11 @@ def train_contrastive(model_args: ModelArgs, data: DataArgs, adapter: Any, confi
     seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     rows = contrastive_pairs(rows)
+    if eval_rows is not None:
+        eval_rows = contrastive_pairs(eval_rows)
     with _removed_if_left_empty(config.output_dir):
-        ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows).train(resume_from_checkpoint=resume)
+        trainer = ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows, eval_dataset=eval_rows)
+        trainer.train(resume_from_checkpoint=resume)
         model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'train-router', config)}")
     return config.output_dir
@@ -505,7 +581,7 @@ def _next(model_args: ModelArgs, command: str, config: Any) -> str:
     return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))} --output_dir {shlex.quote(str(output))}"
 
 
-def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
+def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str:
     """Stage 2: trains the routers by SFT and saves the adapter to --output_dir."""
     from .data import load_rows
     from .trainers import RouterTrainer
@@ -513,12 +589,16 @@ def train_router(model_args: ModelArgs, data: DataArgs, config: Any) -> str:
     if model_args.adapter is None:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
     _check_adapter_output(config.output_dir)
+    check_report_to(config)
     rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config, config.dataset_text_field)
+    eval_rows = data.eval_rows("sft", config, config.dataset_text_field)
     config.dataset_text_field = "text"  # load_rows named the column so
     resume = _resume(config)
     model, tokenizer = load_model(model_args, trainable=True)
     with _removed_if_left_empty(config.output_dir):
-        trainer = RouterTrainer(model, args=config, train_dataset=rows, processing_class=tokenizer)
+        trainer = RouterTrainer(
+            model, args=config, train_dataset=rows, eval_dataset=eval_rows, processing_class=tokenizer
+        )
         trainer.train(resume_from_checkpoint=resume)
         model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'export', config)}")
@@ -575,9 +655,9 @@ COMMANDS: dict[str, tuple[Callable[..., Any], Sequence[Any]]] = {
     "demo": (demo, [_lazy("demo", "DemoArgs")]),
     "train-contrastive": (
         train_contrastive,
-        [ModelArgs, DataArgs, AdapterArgs, _lazy("trainers", "ContrastiveConfig")],
+        [ModelArgs, TrainDataArgs, AdapterArgs, _lazy("trainers", "ContrastiveConfig")],
     ),
-    "train-router": (train_router, [ModelArgs, DataArgs, _lazy("trainers", "RouterConfig")]),
+    "train-router": (train_router, [ModelArgs, TrainDataArgs, _lazy("trainers", "RouterConfig")]),
     "eval-sts": (eval_sts, [ModelArgs, DataArgs, EvalArgs, EmbedArgs]),
     "eval-lm": (eval_lm, [ModelArgs, DataArgs, EvalArgs]),
     "dependence": (dependence, [ModelArgs, DataArgs, EvalArgs]),
