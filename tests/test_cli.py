@@ -460,6 +460,11 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["train-router", "--adapter", "a", "--eval_data", "{texts}"], ValueError, "--eval_strategy is 'no', so it"),
         (["train-contrastive", "--eval_split", "train", "--eval_strategy", "epoch"], ValueError, "is --split itself"),
         (
+            ["train-contrastive", "--data", "{triplets}", "--eval_data", "{triplets}", "--eval_strategy", "epoch"],
+            ValueError,
+            "'train' of --data is --split itself",
+        ),  # fmt: skip
+        (
             ["train-contrastive", "--data", "{triplets}", "--eval_split", "dev", "--eval_strategy", "epoch"],
             ValueError,
             "Evaluation data .*--eval_split 'dev'.*holds one split, 'train'",

@@ -136,9 +136,10 @@ class TrainDataArgs(DataArgs):
                     "--split 'train[:90%]'), or drop --eval_strategy."
                 )
             return None
-        if self.eval_data is None and self.eval_split == self.split:
+        if self.eval_data in (None, self.data) and (self.eval_split or "train") == self.split:
             raise ValueError(
-                f"--eval_split {self.eval_split!r} is --split itself, so training would be evaluated on its own rows. "
+                f"--eval_split {self.eval_split or 'train'!r} of --data is --split itself, so training would be "
+                "evaluated on its own rows. "
                 "Name another split, or slice one: --split 'train[:90%]' --eval_split 'train[90%:]'."
             )
         spec = self.data if self.eval_data is None else self.eval_data

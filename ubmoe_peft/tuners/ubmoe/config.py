@@ -49,7 +49,7 @@ class UBMoEConfig(PeftConfig):
         default=None,
         metadata={
             "help": "Names of the FFN modules to wrap (matched against the end of module names, or a regex when a "
-            "string). Default: found from the model_type table, else the decoder layers' 'mlp'/'feed_forward'."
+            "string). Default: found from the model_type table, else the decoder layers' 'mlp'/'feed_forward'/'ffn'."
         },
     )
     ffn_projections: list[str] | None = field(
