@@ -9,9 +9,10 @@ import torch
 from conftest import batch, perturb_adapters, tiny_model, w
 from peft import get_peft_model
 from sentence_transformers import losses
+from transformers import AutoModelForCausalLM
 
 import ubmoe_peft
-from ubmoe_peft import UBMoEConfig, to_sentence_transformer
+from ubmoe_peft import UBMoEConfig, load_sentence_transformer, to_sentence_transformer
 from ubmoe_peft.modes import ubmoe_layers
 
 
@@ -80,6 +81,11 @@ def test_truncation_keeps_the_end_of_the_template(tokenizer):
     st[0].tokenizer = tokenizer
     at_limit = st[0].preprocess([w(5, 6, 7), w(5)])  # 6 tokens: at the limit, not over it
     assert at_limit["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102], [100, 5, 101, 102, 0, 0]]
+    from transformers.tokenization_utils_base import TruncationStrategy
+
+    for strategy in ("longest_first", "only_first", TruncationStrategy.LONGEST_FIRST):  # cut the end of the template
+        by_name = st[0].preprocess([w(*range(5, 13))], processing_kwargs={"text": {"truncation": strategy}})
+        assert by_name["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102]], strategy
 
 
 def test_a_max_length_passed_to_preprocess_wins(tokenizer):
@@ -449,3 +455,23 @@ def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_p
 
     with pytest.raises(NotImplementedError, match="(?s)load_sentence_transformer.*load_best_model_at_end keeps the "):
         SentenceTransformer(str(tmp_path), trust_remote_code=True)
+
+
+def test_sentence_transformers_own_loader_refuses_an_adapter_folder(tokenizer, tmp_path):
+    """SentenceTransformer(folder) of an adapter folder holding a tokenizer (a trainer checkpoint, or save_pretrained
+    beside tokenizer.save_pretrained) loaded the adapter through transformers and embedded in mode moe, causal,
+    silently; the ubmoe ways to build an encoder from that folder still work."""
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), UBMoEConfig())
+    model.save_pretrained(tmp_path / "adapter")
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="(?s)sentence-transformers' Transformer module.*mode 'moe'.*to_sentence_tr"):
+        SentenceTransformer(str(tmp_path / "adapter"), device="cpu")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    st = to_sentence_transformer(loaded, tokenizer)
+    st.save(str(tmp_path / "encoder"))
+    again = load_sentence_transformer(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "encoder")
+    assert torch.equal(again.encode([w(5, 6)], convert_to_tensor=True), st.encode([w(5, 6)], convert_to_tensor=True))

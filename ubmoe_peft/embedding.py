@@ -57,6 +57,9 @@ def check_pooling(pooling: Any) -> None:
         raise ValueError(f"pooling={pooling!r} is not a pooling mode: give one of {known} (or a list of them).")
 
 
+_CUTS_THE_TEXT = ("longest_first", "only_first")  # truncation strategies that cut a single sequence, as True does
+
+
 class UBMoEEncoder(InputModule):
     """Tokenizes (optionally inside a ``{text}`` template) and returns token embeddings in ``mode`` (bi)."""
 
@@ -154,7 +157,9 @@ class UBMoEEncoder(InputModule):
                 "prompt)."
             )
         suffix = self.prompt.split("{text}", 1)[1] if self.prompt and "{text}" in self.prompt else ""
-        if not suffix.strip() or options.get("truncation") is not True:
+        truncation = options.get("truncation")  # True, or a strategy by name or as transformers' enum
+        cuts_the_text = truncation is True or getattr(truncation, "value", truncation) in _CUTS_THE_TEXT
+        if not suffix.strip() or not cuts_the_text:
             return features
         full = self.tokenizer(texts)["input_ids"]  # only a batch with a row at the limit is tokenized in full
         if all(len(ids) <= limit for ids in full):

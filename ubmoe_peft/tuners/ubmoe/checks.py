@@ -141,6 +141,28 @@ def widen_quantized_copies(model: nn.Module, state_dict: dict) -> None:
                     param.data = param.data.to(saved.dtype)
 
 
+def refuse_sentence_transformers_module() -> None:
+    """Refuse an adapter put in by sentence-transformers' own ``Transformer`` module: ``SentenceTransformer(folder)``
+    of an adapter folder holding a tokenizer (transformers' ``from_pretrained`` loads the adapter on its own). That
+    module runs the model as it is, in mode moe (causal), and with none of a saved wrapper's prompt and pooling: the
+    embeddings were silently not the bidirectional ones. No hook of either library says who is loading, so the
+    calling frames are read (once per adapter, not per forward). (``SentenceTransformer.add_adapter`` goes through
+    transformers' adapter methods, which refuse peft < 0.22 themselves.)"""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = type(frame.f_locals.get("self"))
+        if owner.__name__ == "Transformer" and owner.__module__.startswith("sentence_transformers."):
+            raise ValueError(
+                "A UBMoE adapter is being loaded by sentence-transformers' Transformer module (as "
+                "SentenceTransformer(folder) does for an adapter folder with a tokenizer): it would embed in mode "
+                "'moe', with causal attention, not the bidirectional mode "
+                "'bi', and without the prompt and pooling of a saved encoder. Build the encoder with "
+                "ubmoe_peft.to_sentence_transformer(PeftModel.from_pretrained(base, adapter_folder), tokenizer), or "
+                "load one saved by its .save(folder) with ubmoe_peft.load_sentence_transformer(base, folder)."
+            )
+        frame = frame.f_back
+
+
 def refuse_other_tuners(model: nn.Module) -> None:
     """Another PEFT method's layers in the base (a LoRA model wrapped again) were taken for FFN projections: the
     experts adapted or copied LoRA's own modules, the save held the LoRA's tensors and loaded nowhere, and the LoRA

@@ -29,6 +29,7 @@ from .checks import (
     in_decoder,
     matches_target,
     refuse_other_tuners,
+    refuse_sentence_transformers_module,
     validate_config,
     widen_quantized_copies,
 )
@@ -70,6 +71,7 @@ class UBMoEModel(BaseTuner):
 
     def __init__(self, model, config, adapter_name, low_cpu_mem_usage: bool = False, state_dict=None) -> None:
         refuse_other_tuners(model)  # before PEFT's __init__ writes our config into a wrapped model's shared dict
+        refuse_sentence_transformers_module()
         # The layers created during super().__init__ share this object, so it must exist before injection.
         object.__setattr__(self, "_ubmoe_state", ModeState())
         object.__setattr__(self, "_ubmoe_hooks", [])
