@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -455,6 +456,9 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["train-contrastive", "--output_dir", "{lora}"], ValueError, "already holds a saved adapter .*overwrite"),
         (["train-router", "--adapter", "{lora}", "--output_dir", "{lora}"], ValueError, "already holds a saved"),
         (["train-contrastive", "--top_k", "3", "--data", "missing.jsonl"], ValueError, "top_k=3\\) is invalid"),
+        # a file as --output_dir failed after the model and data had loaded, as a raw "File exists"
+        (["train-contrastive", "--output_dir", "{texts}/sub"], ValueError, "cannot be a folder: .*texts.txt' is a"),
+        (["train-router", "--adapter", "a", "--output_dir", "{texts}"], ValueError, "cannot be a folder: .* a file"),
         # evaluation data: transformers named the missing eval_dataset only once the trainer was built
         (["train-contrastive", "--eval_strategy", "steps"], ValueError, "no evaluation data was given. Pass --eval"),
         (["train-router", "--adapter", "a", "--eval_data", "{texts}"], ValueError, "--eval_strategy is 'no', so it"),
@@ -565,6 +569,18 @@ def test_results_that_are_not_finite_are_written_as_json_null(tmp_path, capsys):
         "uni": {"loss": 1.5, "perplexity": None},
         "moe": {"loss": None, "perplexity": 4.0},
     }
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "link.json").symlink_to(tmp_path / "kept" / "results.json")
+    _report(results, EvalArgs(output=str(tmp_path / "link.json")), "LM")  # the link's file, as a plain write does
+    assert (tmp_path / "link.json").is_symlink() and json.loads((tmp_path / "kept" / "results.json").read_text())
+
+
+def test_an_output_folder_that_is_not_writable_is_named_before_anything_runs(tmp_path, monkeypatch):
+    """The JSON write failed after the whole evaluation, as a raw error naming a hidden temp file."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ValueError, match="folder '.*' is not writable"):
+        EvalArgs(output=str(tmp_path / "results.json"))
 
 
 def test_the_next_command_keeps_the_model_options():
@@ -691,6 +707,9 @@ def test_demo_options_are_checked_before_the_model_loads(tmp_path):
     (tmp_path / "d" / "report.md").write_text("an earlier run's report")
     with pytest.raises(ValueError, match=r"already holds a demo's \['report.md'\], which this run would overwrite"):
         DemoArgs(output_dir=out)
+    (tmp_path / "f").write_text("x")  # failed on its first write, as a raw "File exists"
+    with pytest.raises(ValueError, match="--output_dir '.*f' is a file; name a folder"):
+        DemoArgs(output_dir=str(tmp_path / "f"))
 
 
 def test_a_device_number_the_machine_lacks_is_named(monkeypatch):

@@ -475,3 +475,39 @@ def test_sentence_transformers_own_loader_refuses_an_adapter_folder(tokenizer, t
     st.save(str(tmp_path / "encoder"))
     again = load_sentence_transformer(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "encoder")
     assert torch.equal(again.encode([w(5, 6)], convert_to_tensor=True), st.encode([w(5, 6)], convert_to_tensor=True))
+
+
+def test_a_save_that_fails_over_an_earlier_one_is_refused_at_load_not_mixed(tokenizer, tmp_path, monkeypatch):
+    """st.save writes the adapter, the tokenizer, then its config: failing in between over an earlier save loaded the
+    new weights under the old prompt. A re-save under another adapter name kept both adapters (no longer loadable);
+    a damaged config was a bare JSONDecodeError."""
+    from ubmoe_peft.io import UBMoEFileError
+
+    old = to_sentence_transformer(_wrapped(), tokenizer, prompt="Old {text} prompt", max_length=128)
+    old.save(str(tmp_path))
+    other = _wrapped()
+    perturb_adapters(other, std=0.1, seed=2)  # other weights
+    new = to_sentence_transformer(other, tokenizer, prompt="New: ", max_length=64)
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(new[0]), "save_tokenizer", full)
+    with pytest.raises(OSError, match="No space"):
+        new.save(str(tmp_path))
+    monkeypatch.undo()
+    with pytest.raises(UBMoEFileError, match="mixes two saves: its config.json .* Save the encoder again"):
+        load_sentence_transformer(tiny_model(), tmp_path)
+    new.save(str(tmp_path))  # saved whole: loads
+    again = load_sentence_transformer(tiny_model(), tmp_path)
+    assert again[0].prompt == "New: " and (again.encode([w(5)]) == new.encode([w(5)])).all()
+
+    renamed = get_peft_model(tiny_model(), UBMoEConfig(), adapter_name="emb").eval()
+    perturb_adapters(renamed, std=0.1)
+    emb = to_sentence_transformer(renamed, tokenizer)
+    emb.save(str(tmp_path))  # over the "default" save: only "emb" remains
+    assert sorted(p.name for p in (tmp_path / "ubmoe_adapter").iterdir()) == ["README.md", "emb"]
+    assert (load_sentence_transformer(tiny_model(), tmp_path).encode([w(5)]) == emb.encode([w(5)])).all()
+    (tmp_path / "config.json").write_text('{"prompt": "a')  # truncated
+    with pytest.raises(UBMoEFileError, match="config.json is not a readable JSON file"):
+        load_sentence_transformer(tiny_model(), tmp_path)

@@ -1042,3 +1042,53 @@ def test_a_new_folder_is_checked_before_anything_is_made(tmp_path, monkeypatch):
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     assert (tmp_path / "link").is_symlink() and (tmp_path / "empty" / "config.json").read_text() == "{}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty", "full", "link"]
+
+
+def test_a_save_that_fails_part_way_puts_the_earlier_save_back(tmp_path, monkeypatch):
+    """An error or interrupt between an adapter's weights and its config left the new weights beside the earlier
+    config: neither save loaded any more. PEFT's positional options also reach the wrapped save."""
+    folder = tmp_path / "a"
+    wrap(lora_alpha=16).save_pretrained(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    other = wrap(lora_alpha=32)
+    for fault in (OSError(28, "No space left on device"), KeyboardInterrupt()):
+
+        def fail(*args, fault=fault, **kwargs):
+            raise fault
+
+        monkeypatch.setattr(ubmoe_peft.UBMoEConfig, "save_pretrained", fail)
+        with pytest.raises(type(fault)):
+            other.save_pretrained(folder)
+        monkeypatch.undo()
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # no stray link either
+    peft.PeftModel.from_pretrained(tiny(), folder)
+    other.save_pretrained(folder, True, ["default"])  # save_directory, safe_serialization, selected_adapters
+    assert ubmoe_peft.UBMoEConfig.from_pretrained(folder).lora_alpha == 32
+
+
+def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatch):
+    """An empty folder that cannot be removed (a container's volume) made the export fail after the whole merge;
+    an empty one lost its permissions; a failed export into a new nested path left its empty parents behind."""
+    (tmp_path / "empty").mkdir(mode=0o750)
+    (tmp_path / "empty").chmod(0o750)
+    with atomic_folder(tmp_path / "empty") as tmp:
+        (pathlib.Path(tmp) / "config.json").write_text("{}")
+    assert stat.S_IMODE((tmp_path / "empty").stat().st_mode) == 0o750
+    (tmp_path / "mount").mkdir()
+    real = os.rmdir
+
+    def busy(path, *args, **kwargs):
+        if str(path) == str(tmp_path / "mount"):
+            raise OSError(16, "Device or resource busy")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", busy)
+    with atomic_folder(tmp_path / "mount") as tmp:
+        (pathlib.Path(tmp) / "config.json").write_text("{}")
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "mount").iterdir()] == ["config.json"]
+    with pytest.raises(RuntimeError), atomic_folder(tmp_path / "a" / "b" / "out") as tmp:
+        (pathlib.Path(tmp) / "config.json").write_text("{}")
+        raise RuntimeError("the save failed")
+    assert not (tmp_path / "a").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mount"]  # no temp folder left

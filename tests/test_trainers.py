@@ -388,6 +388,10 @@ def test_resuming_from_a_checkpoint_of_another_adapter_shape_is_refused(tokenize
         trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-2"))
     with pytest.raises(FileNotFoundError, match="no modules.json, so it is not a checkpoint of a ContrastiveTrainer"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "r4"))
+    (tmp_path / "r8" / "checkpoint-3").mkdir()  # a save cut short (resume=True takes the newest)
+    (tmp_path / "r8" / "checkpoint-3" / "config_sentence_transformers.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"checkpoint-3' is incomplete.*\['checkpoint-2', 'checkpoint-4'\]"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-3"))
 
 
 def test_resuming_reads_checkpoint_weights_through_the_safe_loader(tokenizer, tmp_path):

@@ -200,6 +200,8 @@ class EvalArgs:
                 raise ValueError(
                     f"--output {self.output!r}: folder {str(path.parent)!r} does not exist; create it first."
                 )
+            if not os.access(path.parent, os.W_OK | os.X_OK):  # found after the whole evaluation, naming a temp file
+                raise ValueError(f"--output {self.output!r}: folder {str(path.parent)!r} is not writable.")
 
 
 @dataclass
@@ -383,6 +385,13 @@ def _check_model_folder(args: ModelArgs) -> None:
 def _check_adapter_output(output_dir: str) -> None:
     """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`), and
     never over an adapter saved before (a training run would replace it without a word)."""
+    existing = Path(output_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():  # found only after the model and data had loaded, as a raw "File exists"
+        raise ValueError(
+            f"--output_dir {output_dir!r} cannot be a folder: {str(existing)!r} is a file. Choose another folder."
+        )
     if (Path(output_dir) / "config.json").exists():
         raise ValueError(
             f"--output_dir {output_dir!r} holds a model (config.json); saving the adapter there would make "
@@ -452,7 +461,7 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
             mode: {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in values.items()}
             for mode, values in results.items()
         }
-        atomic_write_text(args.output, json.dumps(finite, indent=2))
+        atomic_write_text(os.path.realpath(args.output), json.dumps(finite, indent=2))  # a link: write its file
     return results
 
 

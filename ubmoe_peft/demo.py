@@ -69,6 +69,8 @@ class DemoArgs:
         if self.contrastive_lr is not None and not self.contrastive_lr > 0:
             raise ValueError(f"--contrastive_lr {self.contrastive_lr!r} must be positive, or left out for the default.")
         check_device(self.device)
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ValueError(f"--output_dir {self.output_dir!r} is a file; name a folder for the demo's outputs.")
         left = [name for name in _OUTPUTS if (Path(self.output_dir) / name).exists()]
         if left:
             raise ValueError(
@@ -258,7 +260,11 @@ def _markdown(r: dict[str, Any], plots: list[str]) -> str:
 
 def _plots(r: dict[str, Any], out: Path) -> list[str]:
     """Training curves, per-layer routing and dependence as PNG files (matplotlib, without a display)."""
+    import functools
+
     import matplotlib
+
+    from .io import atomic_write
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -277,7 +283,7 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     axes[2].set(title="held-out chats: tokens to the bi expert", xlabel="layer", ylabel="%")
     fig.tight_layout()
     paths.append(str(out / "training.png"))
-    fig.savefig(paths[-1], dpi=100)
+    atomic_write(paths[-1], functools.partial(fig.savefig, dpi=100, format="png"))  # no half-drawn file
     plt.close(fig)
 
     dep = {"uni": r["before"]["dependence"]["uni"], "bi untrained": r["before"]["dependence"]["bi"]}
@@ -292,6 +298,6 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     ax.legend()
     fig.tight_layout()
     paths.append(str(out / "dependence.png"))
-    fig.savefig(paths[-1], dpi=100)
+    atomic_write(paths[-1], functools.partial(fig.savefig, dpi=100, format="png"))  # no half-drawn file
     plt.close(fig)
     return paths

@@ -7,6 +7,7 @@ and switch it to mode bi around every forward, so it is a small `InputModule` of
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 
 from .architectures import backbone
 from .evaluation import check_tokenizer
+from .io import UBMoEFileError, read_json_config
 from .modes import forward_in_mode, get_mode, ubmoe_layers
 from .tuners.ubmoe.state import MODES
 
@@ -212,12 +214,19 @@ class UBMoEEncoder(InputModule):
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         """Saves the adapter that embeds (the active one; not the base model), the tokenizer and this module's
-        config."""
+        config. The adapter folder is written beside the old one and swapped in whole (a re-save under another
+        adapter name kept both, and the folder no longer loaded); the config goes last, atomically, with a digest of
+        the adapter's weights, so that a save that failed part-way over an earlier one is refused at load (it loaded
+        as the new weights under the old prompt)."""
+        from .io import atomic_folder, atomic_write_text
+
         active = getattr(self.model, "active_adapter", None)
         selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
-        self.model.save_pretrained(str(Path(output_path) / "ubmoe_adapter"), **selected)
+        with atomic_folder(Path(output_path) / ADAPTER_FOLDER, replace=True) as staged:
+            self.model.save_pretrained(staged, **selected)
         self.save_tokenizer(output_path)
-        self.save_config(output_path)
+        settings = {**self.get_config_dict(), DIGEST_KEY: _weights_digest(Path(output_path))}
+        atomic_write_text(Path(output_path) / self.config_file_name, json.dumps(settings, indent=4))
 
     # The base model a `load_sentence_transformer` call loads the adapter onto (set on a subclass made per call).
     _load_onto: nn.Module | None = None
@@ -231,8 +240,14 @@ class UBMoEEncoder(InputModule):
 
             hub = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
             folder = Path(cls.load_dir_path(model_name_or_path, subfolder=subfolder, **hub))
-            settings = cls.load_config(str(folder))
-            adapter, name = _saved_adapter(folder / "ubmoe_adapter")
+            settings = read_json_config(folder / cls.config_file_name)  # a damaged file is named
+            adapter, name = _saved_adapter(folder / ADAPTER_FOLDER)
+            if DIGEST_KEY in settings and settings[DIGEST_KEY] != _weights_digest(folder):  # older saves have none
+                raise UBMoEFileError(
+                    f"{str(folder)!r} mixes two saves: its {cls.config_file_name} (prompt, max_length, mode) was "
+                    f"written with other adapter weights than {ADAPTER_FOLDER} holds, as a save that failed part-way "
+                    "over an earlier one leaves it. Save the encoder again (st.save(folder))."
+                )
             tokenizer = AutoTokenizer.from_pretrained(str(folder))  # first: a failure leaves the base unwrapped
             model = PeftModel.from_pretrained(cls._load_onto, str(adapter), adapter_name=name)
             return UBMoEEncoder(model, tokenizer, **{k: settings[k] for k in cls.config_keys if k in settings})
@@ -244,6 +259,23 @@ class UBMoEEncoder(InputModule):
             "resume_from_checkpoint fails: train with ubmoe_peft.ContrastiveTrainer, which takes any "
             "sentence-transformers loss (loss=...) and loads its checkpoints."
         )
+
+
+ADAPTER_FOLDER = "ubmoe_adapter"  # the saved encoder's adapter, inside the SentenceTransformer folder
+DIGEST_KEY = "adapter_sha256"  # the encoder config's record of the adapter weights it was saved with
+
+
+def _weights_digest(folder: Path) -> str:
+    """SHA-256 of the weights of the adapter saved in ``folder``'s adapter folder (about 1 s per GB)."""
+    import hashlib
+
+    from .io import WEIGHTS_NAME
+
+    digest = hashlib.sha256()
+    with open(_saved_adapter(folder / ADAPTER_FOLDER)[0] / WEIGHTS_NAME, "rb") as weights:
+        for block in iter(lambda: weights.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _saved_adapter(folder: Path) -> tuple[Path, str]:
@@ -295,7 +327,7 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
 
         raise NotImplementedError(
             f"sentence-transformers {sentence_transformers.__version__} cannot be handed the base model. Load the "
-            f"adapter with PeftModel.from_pretrained(base, '{folder}/ubmoe_adapter') and rebuild with "
+            f"adapter with PeftModel.from_pretrained(base, '{folder}/{ADAPTER_FOLDER}') and rebuild with "
             "ubmoe_peft.to_sentence_transformer(...), passing the prompt, pooling and max_length again."
         )
     encoder = type(UBMoEEncoder.__name__, (UBMoEEncoder,), {"_load_onto": base, "__module__": __name__})

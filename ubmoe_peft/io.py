@@ -150,26 +150,52 @@ def check_new_folder(path: str | os.PathLike, name: str | None = None) -> str:
 
 
 @contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike):
-    """Yield a temp folder beside ``path`` to fill; on success it is renamed to ``path``, on failure removed.
+def atomic_folder(path: str | os.PathLike, replace: bool = False):
+    """Yield a temp folder beside ``path`` to fill; on success it takes the place of ``path``, on failure it is
+    removed, with any parent folder made for it.
 
-    ``path`` must not exist yet (or be empty): an export never mixes its files with an older one's.
+    ``path`` must not exist yet or be empty (an export never mixes its files with an older one's), unless
+    ``replace``: then a folder there is swapped out whole and removed (a re-save leaves nothing of the old one). An
+    existing empty folder keeps its permissions; one that cannot be removed (a mount point, as a container's volume
+    is) gets the files moved into it instead.
     """
     import shutil
 
-    path = check_new_folder(path)
+    path = os.path.realpath(os.fspath(path)) if replace else check_new_folder(path)
     parent = os.path.dirname(path)
+    made = parent
+    while not os.path.exists(os.path.dirname(made)):  # the topmost parent this call makes, removed on failure
+        made = os.path.dirname(made)
+    made = None if os.path.exists(made) else made
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    old = None
     try:
-        os.chmod(tmp, _umask_mode(0o777))  # mkdtemp's folder is private (0o700); a plain mkdir's is not
+        existing = os.path.isdir(path)
+        os.chmod(tmp, os.stat(path).st_mode & 0o7777 if existing else _umask_mode(0o777))  # not mkdtemp's 0o700
         yield tmp
-        if os.path.isdir(path):
-            os.rmdir(path)  # empty, checked above
+        if existing and replace and os.listdir(path):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
+            os.replace(path, os.path.join(old, "folder"))  # a kill from here to the next line leaves it in .old
+        elif existing:
+            try:
+                os.rmdir(path)  # empty
+            except OSError:  # busy (a mount point) or not removable: fill it in place, the folder kept
+                for name in os.listdir(tmp):
+                    os.replace(os.path.join(tmp, name), os.path.join(path, name))
+                os.rmdir(tmp)
+                return
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not os.path.exists(path):
+            os.replace(os.path.join(old, "folder"), path)
+        if made is not None and not any(files for _, _, files in os.walk(made)):
+            shutil.rmtree(made, ignore_errors=True)
         raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(parent)
 
 
@@ -290,9 +316,14 @@ def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def save_pretrained(self: Any, save_directory: str, safe_serialization: bool = True, **kwargs: Any) -> None:
-        selected = kwargs.get("selected_adapters") or list(self.peft_config)
+    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)  # positional options too, as PEFT's signature takes them
+        bound.apply_defaults()
+        save_directory, safe_serialization = bound.arguments["save_directory"], bound.arguments["safe_serialization"]
+        selected = bound.arguments.get("selected_adapters") or list(self.peft_config)
         ubmoe = [name for name in selected if getattr(self.peft_config.get(name), "peft_type", None) == UBMOE_TYPE]
         if ubmoe and not safe_serialization:  # PEFT would torch.save a pickle in place: not atomic, never loaded back
             raise ValueError(
@@ -309,13 +340,39 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             settings = settings_json(self.peft_config[name].to_dict())
             pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
         token = _PENDING_SETTINGS.set(pending)
+        kept = _keep_previous([p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))])
         try:
-            return original(self, save_directory, safe_serialization=safe_serialization, **kwargs)
+            return original(*bound.args, **bound.kwargs)
+        except BaseException:  # an error or interrupt part-way: every file is the earlier save's again
+            for path, previous in kept.items():
+                with contextlib.suppress(OSError):  # the error that stopped the save is the one to see
+                    os.replace(previous, path)
+            raise
         finally:
             _PENDING_SETTINGS.reset(token)
+            for previous in kept.values():
+                with contextlib.suppress(OSError):
+                    os.remove(previous)
 
     save_pretrained._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return save_pretrained
+
+
+def _keep_previous(paths: list[str]) -> dict[str, str]:
+    """{path: a hard link to its current file}, for each of ``paths`` that exists: an atomic rewrite replaces the
+    name, the link keeps the earlier file, and moving it back restores that (a save that failed between an adapter's
+    weights and its config left new weights beside the earlier config, and neither loaded). A filesystem without
+    hard links keeps nothing, as before."""
+    kept = {}
+    for path in paths:
+        if os.path.isfile(path):
+            link = f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path))}.{os.getpid()}.previous"
+            with contextlib.suppress(OSError):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(link)
+                os.link(path, link)
+                kept[path] = link
+    return kept
 
 
 def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict]:

@@ -13,6 +13,7 @@ Nothing here is a training loop of our own: the trainers only put the model in i
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -178,6 +179,8 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
             "stage 2 from one of its own checkpoints, or start it without resume_from_checkpoint."
         )
     held = f"adapters {list(saved)}" if saved else "no adapter weights"
+    if not saved:
+        _refuse_incomplete(checkpoint)
     raise AdapterMismatchError(
         f"Checkpoint {checkpoint!r} holds {held} ({folder}), but the model trains adapter {adapter!r}: its weights "
         "would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, or the "
@@ -459,10 +462,28 @@ def _check_text_columns(dataset: Any, columns: list[str], what: str) -> None:
         )
 
 
+def _refuse_incomplete(checkpoint: str) -> None:
+    """A checkpoint without ``trainer_state.json``, which transformers writes last, is one whose save was cut short
+    (resume_from_checkpoint=True takes the newest folder, complete or not): name it so, with the ones to use."""
+    folder = Path(checkpoint)
+    if not re.fullmatch(r"checkpoint-\d+", folder.name) or (folder / "trainer_state.json").is_file():
+        return
+    complete = sorted(
+        (p.name for p in folder.parent.glob("checkpoint-*") if (p / "trainer_state.json").is_file()),
+        key=lambda name: int(name.rsplit("-", 1)[-1]) if name.rsplit("-", 1)[-1].isdigit() else -1,
+    )
+    raise FileNotFoundError(
+        f"Checkpoint {checkpoint!r} is incomplete: it has no trainer_state.json, which transformers writes last, so "
+        f"its save was interrupted. Resume from a complete checkpoint ({complete or 'none found beside it'}), by its "
+        "path, or delete the incomplete one."
+    )
+
+
 def _encoder_path(checkpoint: str) -> str:
     """The UBMoE encoder's folder inside a saved SentenceTransformer (its entry in modules.json; "" at the top)."""
     modules_file = Path(checkpoint) / "modules.json"
     if not modules_file.is_file():
+        _refuse_incomplete(checkpoint)
         raise FileNotFoundError(
             f"{checkpoint!r} has no modules.json, so it is not a checkpoint of a ContrastiveTrainer run. Pass the "
             "checkpoint-<step> folder the trainer saved in its output_dir."
