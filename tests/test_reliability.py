@@ -123,6 +123,9 @@ BAD_WRAPS = {
     "rank too large": (dict(r=128), None, ["r=128", "min(in, out)", "smaller r"]),
     "single linear target": (dict(target_modules=["gate_proj"]), None, ["single linear layer", "target_modules"]),
     "unknown projection": (dict(ffn_projections=["w1"]), None, ["['w1']", "gate_proj"]),
+    # accepted, then every forward failed: the attention's forward takes more than the hidden states
+    "the attention as target": (dict(target_modules=["self_attn"]), None, ["self_attn'", "attention, not the FFN"]),
+    "a regex on the name end": (dict(target_modules="mlp"), None, ["'mlp' not found", "whole module name"]),
     # PEFT matches modules_to_save by name ending, after the experts exist: refused before any change
     "modules_to_save is the FFN": (dict(modules_to_save=["p"]), None, ["['p']", "'model.layers.0.mlp'", "lm_head"]),
     "modules_to_save is an expert": (dict(modules_to_save=["A"]), None, ["['A']", "mlp.ubmoe_lora_A'", "lm_head"]),
@@ -220,6 +223,11 @@ BAD_FIELDS = {
     "lora_alpha:zero": (0, ["lora_alpha=0", "never trains", "16"]),  # PEFT allows it: the expert would never move
     "lora_alpha:negative": (-16.0, ["-16.0", "positive"]),
     "top_k:float": (1.0, ["top_k=1.0", "1", "2"]),  # 1.0 == 1 passed, was saved, and broke the MoE export's int
+    "lora_dropout:text": ("abc", ["'abc'", "number in [0, 1)"]),  # float() raised first, naming no field
+    # an empty list named nothing, and the errors that followed contradicted themselves
+    "layers_to_transform:empty": ([], ["selects no layer", "None for every layer"]),
+    "ffn_projections:empty": ([], ["selects no projection", "None for every projection"]),
+    "target_modules:empty list": ([], ["selects no module", "None for the FFN found"]),
 }
 
 
@@ -1092,3 +1100,22 @@ def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatc
         raise RuntimeError("the save failed")
     assert not (tmp_path / "a").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mount"]  # no temp folder left
+
+
+def test_a_refused_load_leaves_the_base_as_it_was_passed(tmp_path):
+    """The settings and integrity of the saved files are checked as PEFT loads the weights, after the layers exist: a
+    refused load left the base holding UBMoE layers and hooks (with a bad target, a base that no longer ran)."""
+    folder = tmp_path / "a"
+    trained(wrap(modules_to_save=["lm_head"])).save_pretrained(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    base = tiny()
+    before, ids = snapshot(base), torch.arange(6).view(1, 6)
+    expected = logits(base, ids)
+    with pytest.raises(AdapterFileError, match="come from different saves"):
+        peft.PeftModel.from_pretrained(base, folder)
+    assert same_state(base, before) and not ubmoe_layers(base) and not hasattr(base, "peft_config")
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in base.modules())
+    assert torch.equal(logits(base, ids), expected)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert ubmoe_layers(peft.PeftModel.from_pretrained(base, folder))  # the same base takes the good files

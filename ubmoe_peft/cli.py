@@ -64,6 +64,8 @@ def check_device(device: str | None) -> None:
     except RuntimeError as err:
         raise ValueError(f"--device {device!r} is not a device ({err}); use 'cpu', 'cuda' or 'cuda:1'.") from None
     kind, backend = parsed.type, getattr(torch, parsed.type, None)
+    if kind == "meta":  # tensors without data: the wrap then blamed accelerate's offloading
+        raise ValueError(f"--device {device!r} holds no data and cannot run a model; use 'cpu' or 'cuda'.")
     if kind != "cpu" and callable(getattr(backend, "is_available", None)) and not backend.is_available():
         raise ValueError(
             f"--device {device!r}: this torch ({torch.__version__}) has no {kind} device available. Use --device cpu, "
@@ -116,9 +118,10 @@ class TrainDataArgs(DataArgs):
         },
     )
 
-    def eval_rows(self, task: str, config: Any, text_field: str = "text") -> Any:
+    def eval_rows(self, task: str, config: Any, train_rows: Any, text_field: str = "text") -> Any:
         """The evaluation rows, or None; refused unless --eval_strategy evaluates on them, and --eval_strategy
-        without them (checked before the model loads: the trainers found out only once built)."""
+        without them (checked before the model loads: the trainers found out only once built). Evaluation rows
+        that are all training rows are refused, some of them named in a warning."""
         from .data import load_rows
 
         given = self.eval_data is not None or self.eval_split is not None
@@ -136,18 +139,24 @@ class TrainDataArgs(DataArgs):
                     "--split 'train[:90%]'), or drop --eval_strategy."
                 )
             return None
-        if self.eval_data in (None, self.data) and (self.eval_split or "train") == self.split:
-            raise ValueError(
-                f"--eval_split {self.eval_split or 'train'!r} of --data is --split itself, so training would be "
-                "evaluated on its own rows. "
-                "Name another split, or slice one: --split 'train[:90%]' --eval_split 'train[90%:]'."
-            )
         spec = self.data if self.eval_data is None else self.eval_data
+        where = f"--eval_data {spec!r}, --eval_split {self.eval_split!r}"
         try:
-            return load_rows(spec, task, self.eval_split or "train", None, self.data_config, text_field)
+            rows = load_rows(spec, task, self.eval_split or "train", None, self.data_config, text_field)
         except ValueError as err:  # its messages name --data / --split: say they are the evaluation data's
-            where = f"--eval_data {spec!r}, --eval_split {self.eval_split!r}"
             raise ValueError(f"Evaluation data ({where}): {err}") from err
+        # By content: the same file spelled two ways, a slice inside --split, overlapping slices all were evaluated on
+        seen = {json.dumps(row, sort_keys=True, default=str) for row in train_rows}
+        shared = sum(json.dumps(row, sort_keys=True, default=str) in seen for row in rows)
+        if shared == len(rows):
+            raise ValueError(
+                f"Evaluation data ({where}): all {len(rows)} of its rows are training rows (--data {self.data!r}, "
+                f"--split {self.split!r}), so training would be evaluated on what it trains on. Hold some out: "
+                "--split 'train[:90%]' --eval_split 'train[90%:]', or another file as --eval_data."
+            )
+        if shared:
+            print(f"warning: {shared} of the {len(rows)} evaluation rows ({where}) are training rows.", file=sys.stderr)
+        return rows
 
 
 def check_report_to(config: Any) -> None:
@@ -385,6 +394,8 @@ def _check_model_folder(args: ModelArgs) -> None:
 def _check_adapter_output(output_dir: str) -> None:
     """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`), and
     never over an adapter saved before (a training run would replace it without a word)."""
+    if not str(output_dir).strip():  # transformers failed to make it after the model had loaded
+        raise ValueError(f"--output_dir {output_dir!r} is empty; name a folder for the adapter.")
     existing = Path(output_dir).absolute()
     while not existing.exists():
         existing = existing.parent
@@ -553,7 +564,7 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
     if model_args.adapter is None:
         UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows, data.data_config)
-    eval_rows = data.eval_rows("contrastive", config)
+    eval_rows = data.eval_rows("contrastive", config, rows)
     if rows.column_names == ["text"]:  # unsupervised SimCSE: each text paired with itself
         if config.attention_dropout == 0:
             raise ValueError(
@@ -601,7 +612,7 @@ def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str
     _check_adapter_output(config.output_dir)
     check_report_to(config)
     rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config, config.dataset_text_field)
-    eval_rows = data.eval_rows("sft", config, config.dataset_text_field)
+    eval_rows = data.eval_rows("sft", config, rows, config.dataset_text_field)
     config.dataset_text_field = "text"  # load_rows named the column so
     resume = _resume(config)
     model, tokenizer = load_model(model_args, trainable=True)

@@ -242,6 +242,13 @@ def _select_split(splits: dict[str, Any], split: str, what: str) -> Any:
             f"--split {split!r}: {what} holds {held} (a slice such as 'train[:100]' selects rows), and {split!r} "
             f"is not one ({err}). Name a split it holds, or drop --split."
         ) from None
+    for part in parts:  # a slice past the end failed later as an IndexError from datasets
+        size = len(splits[part.splitname])
+        if not 0 <= part.from_ < part.to <= size:
+            raise ValueError(
+                f"--split {split!r}: {part.splitname!r} of {what} has {size} rows, so the slice selects none. Slice "
+                f"within them (e.g. '{part.splitname}[:{max(size // 2, 1)}]'), or drop the slice."
+            )
     picked = [splits[part.splitname].select(range(part.from_, part.to)) for part in parts]
     return picked[0] if len(picked) == 1 else concatenate_datasets(picked)
 

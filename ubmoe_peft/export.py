@@ -110,7 +110,7 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
             f"Cannot export to a MoE model: {len(quantized)} layers are quantized (e.g. {quantized[0]!r}), and the "
             "export is a plain dense transformers model. Load the base model without quantization (dtype="
             "torch.bfloat16 or float32), load the adapter onto it with PeftModel.from_pretrained(base, adapter_dir), "
-            "then merge."
+            "then merge (ubmoe export: pass the unquantized base as --model)."
         )
     target = MOE_EXPORTS.get(config.model_type)
     if target is None:

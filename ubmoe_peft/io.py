@@ -426,8 +426,16 @@ def _wrap_from_pretrained(original: Any) -> Any:
         config = args[2] if len(args) > 2 else kwargs.get("config")  # after adapter_name and is_trainable
         _refuse_disk_offload(model, model_id, _local_folder(model_id, kwargs.get("subfolder")))  # before any change
         token = _OWN_CONFIG.set(config is None)
+        from .tuners.ubmoe.layer import UBMoELayer
+        from .tuners.ubmoe.model import UBMoEModel
+
+        plain = not any(isinstance(m, UBMoELayer) for m in model.modules())
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
+        except BaseException:
+            if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
+                UBMoEModel.undo_failed_load(model)
+            raise
         finally:
             _OWN_CONFIG.reset(token)
 

@@ -13,6 +13,7 @@ Nothing here is a training loop of our own: the trainers only put the model in i
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 from collections.abc import Iterator
@@ -114,8 +115,14 @@ def check_training_counts(config: Any) -> None:
             f"num_train_epochs={config.num_train_epochs!r} with max_steps unset would train nothing and save the "
             "untrained adapter; give a positive number of epochs, or set max_steps."
         )
-    if config.learning_rate < 0:
-        raise ValueError(f"learning_rate={config.learning_rate!r} must not be negative (e.g. 3e-4).")
+    if not 0 < config.learning_rate < math.inf:  # inf saved NaN weights, nan failed in torch, 0 trained nothing
+        raise ValueError(
+            f"learning_rate={config.learning_rate!r} must be a positive, finite number (e.g. 3e-4): 0 would train "
+            "nothing and save the untrained adapter."
+        )
+    neftune = getattr(config, "neftune_noise_alpha", None)
+    if neftune is not None and not 0 < neftune < math.inf:  # a negative one failed in training, in torch's uniform_
+        raise ValueError(f"neftune_noise_alpha={neftune!r} must be a positive number (NEFTune's paper uses 5).")
     max_length = getattr(config, "max_length", None)
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length={max_length!r} must be a positive number of tokens, or None for no limit.")

@@ -115,7 +115,9 @@ class UBMoEConfig(PeftConfig):
                 f"UBMoEConfig(attention_r={self.attention_r!r}) is invalid: use 0 (no attention adapter) or a positive "
                 "LoRA rank."
             )
-        if not 0.0 <= float(self.lora_dropout) < 1.0:
+        if isinstance(self.lora_dropout, bool) or not isinstance(self.lora_dropout, (int, float)):
+            raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be a number in [0, 1).")
+        if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"UBMoEConfig(lora_dropout={self.lora_dropout!r}) must be in [0, 1).")
         if not isinstance(self.router_gradient, str) or self.router_gradient not in ROUTER_GRADIENTS:
             raise ValueError(
@@ -138,6 +140,14 @@ class UBMoEConfig(PeftConfig):
             )
         if isinstance(self.target_modules, (list, tuple, set)):
             self.target_modules = list(self.target_modules)
+        chosen = (("layers_to_transform", "layer"), ("ffn_projections", "projection"), ("target_modules", ""))
+        for name, means in chosen:
+            if getattr(self, name) == []:  # it named nothing; the errors that followed contradicted themselves
+                raise ValueError(
+                    f"UBMoEConfig({name}=[]) selects no {means or 'module'}: leave it None for "
+                    + ("the FFN found from the model" if name == "target_modules" else f"every {means}")
+                    + ", or name some."
+                )
         self._check_types()
 
     def _check_types(self) -> None:

@@ -410,7 +410,22 @@ class UBMoEModel(BaseTuner):
             raise merge_unsupported()
         return self._unwrap(lambda layer: layer.base_layer)
 
-    def _unwrap(self, replacement: Any, adapter: str | None = None) -> nn.Module:
+    @staticmethod
+    def undo_failed_load(model: nn.Module) -> None:
+        """Put ``model`` back as it was before a `PeftModel.from_pretrained` that wrapped it and then refused the
+        saved files (their settings, integrity or shapes are checked as PEFT loads the weights, after the layers
+        exist): the base was left holding UBMoE layers and hooks. Only a base that held no UBMoE layer before the
+        call is restored (the caller checks)."""
+        owners = {
+            id(hook.__self__): hook.__self__
+            for module in model.modules()
+            for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+            if isinstance(getattr(hook, "__self__", None), UBMoEModel)
+        }
+        for owner in owners.values():
+            owner._unwrap(lambda layer: layer.base_layer, original=True)
+
+    def _unwrap(self, replacement: Any, adapter: str | None = None, original: bool = False) -> nn.Module:
         """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer, and the trained module in
         place of every ``modules_to_save`` wrapper: ``adapter``'s, or the active adapter's as PEFT's unload does when
         None; the bare model. This model is spent: its modes, forward and `generate` refuse from now on (a
@@ -424,7 +439,7 @@ class UBMoEModel(BaseTuner):
                 module.remove_attention_hooks()
                 new = replacement(module)
             elif hasattr(module, "unload_and_optionally_merge_module"):  # PEFT's modules_to_save wrapper
-                new = saved_module(module, adapter)
+                new = module.original_module if original else saved_module(module, adapter)
             else:
                 continue
             parent_name, _, child = name.rpartition(".")
