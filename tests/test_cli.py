@@ -544,7 +544,9 @@ def test_report_to_an_integration_that_is_not_installed_is_named_before_the_mode
         integrations, "get_available_reporting_integrations", lambda: ["tensorboard"]
     )  # wandb absent, whatever is installed
     monkeypatch.setattr("ubmoe_peft.cli.load_model", None)  # never reached
-    with pytest.raises(ValueError, match="--report_to wandb: wandb is not installed .pip install wandb"):
+    with pytest.raises(ValueError, match="--report_to nonsense: \\['nonsense'\\] unknown; use some of"):
+        run(["train-router", "--adapter", "a", "--model", files["model"], "--report_to", "nonsense"])
+    with pytest.raises(ValueError, match="--report_to wandb: wandb is not installed .install its package, e.g. pip"):
         run(["train-router", "--adapter", "a", "--model", files["model"], "--report_to", "wandb"])
 
 
@@ -589,6 +591,11 @@ def test_an_output_folder_that_is_not_writable_is_named_before_anything_runs(tmp
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
     with pytest.raises(ValueError, match="folder '.*' is not writable"):
         EvalArgs(output=str(tmp_path / "results.json"))
+    monkeypatch.undo()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "link.json").symlink_to(tmp_path / "missing" / "results.json")  # the link's folder exists
+    with pytest.raises(ValueError, match="folder '.*missing' does not exist"):
+        EvalArgs(output=str(tmp_path / "sub" / "link.json"))
 
 
 def test_the_next_command_keeps_the_model_options():

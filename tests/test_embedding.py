@@ -468,8 +468,12 @@ def test_sentence_transformers_own_loader_refuses_an_adapter_folder(tokenizer, t
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), UBMoEConfig())
     model.save_pretrained(tmp_path / "adapter")
     tokenizer.save_pretrained(tmp_path / "adapter")
-    with pytest.raises(ValueError, match="(?s)sentence-transformers' Transformer module.*mode 'moe'.*to_sentence_tr"):
+    with pytest.raises(ValueError, match="(?s)sentence-transformers' own model code.*mode 'moe'.*to_sentence_tr"):
         SentenceTransformer(str(tmp_path / "adapter"), device="cpu")
+    tokenizer.save_pretrained(tmp_path / "base")
+    plain = SentenceTransformer(str(tmp_path / "base"), device="cpu")
+    with pytest.raises(ValueError, match="(?s)own model code.*load_adapter"):
+        plain.load_adapter(str(tmp_path / "adapter"))
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     st = to_sentence_transformer(loaded, tokenizer)
     st.save(str(tmp_path / "encoder"))
@@ -508,6 +512,9 @@ def test_a_save_that_fails_over_an_earlier_one_is_refused_at_load_not_mixed(toke
     emb.save(str(tmp_path))  # over the "default" save: only "emb" remains
     assert sorted(p.name for p in (tmp_path / "ubmoe_adapter").iterdir()) == ["README.md", "emb"]
     assert (load_sentence_transformer(tiny_model(), tmp_path).encode([w(5)]) == emb.encode([w(5)])).all()
+    (tmp_path / "config.json").unlink()  # its defaults loaded silently: no prompt, 512 tokens
+    with pytest.raises(UBMoEFileError, match="has no config.json, the encoder's prompt"):
+        load_sentence_transformer(tiny_model(), tmp_path)
     (tmp_path / "config.json").write_text('{"prompt": "a')  # truncated
     with pytest.raises(UBMoEFileError, match="config.json is not a readable JSON file"):
         load_sentence_transformer(tiny_model(), tmp_path)

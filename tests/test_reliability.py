@@ -1069,6 +1069,10 @@ def test_a_save_that_fails_part_way_puts_the_earlier_save_back(tmp_path, monkeyp
             other.save_pretrained(folder)
         monkeypatch.undo()
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # no stray link either
+    (folder / ".adapter_model.safetensors.999999.previous").write_text("a killed save's link")
+    other.save_pretrained(folder)  # the next save removes it
+    assert not list(folder.glob(".*.previous"))
+    wrap(lora_alpha=16).save_pretrained(folder)
     peft.PeftModel.from_pretrained(tiny(), folder)
     other.save_pretrained(folder, True, ["default"])  # save_directory, safe_serialization, selected_adapters
     assert ubmoe_peft.UBMoEConfig.from_pretrained(folder).lora_alpha == 32
@@ -1083,15 +1087,17 @@ def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatc
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     assert stat.S_IMODE((tmp_path / "empty").stat().st_mode) == 0o750
     (tmp_path / "mount").mkdir()
-    real = os.rmdir
+    real_rmdir, real_ismount = os.rmdir, os.path.ismount
 
-    def busy(path, *args, **kwargs):
+    def busy(path, *args, **kwargs):  # a mount point cannot be removed, nor files renamed into it from outside
         if str(path) == str(tmp_path / "mount"):
             raise OSError(16, "Device or resource busy")
-        return real(path, *args, **kwargs)
+        return real_rmdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "rmdir", busy)
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(tmp_path / "mount") or real_ismount(p))
     with atomic_folder(tmp_path / "mount") as tmp:
+        assert pathlib.Path(tmp).parent == tmp_path / "mount"  # staged inside it: same filesystem
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     monkeypatch.undo()
     assert [p.name for p in (tmp_path / "mount").iterdir()] == ["config.json"]

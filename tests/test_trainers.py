@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -388,8 +389,8 @@ def test_resuming_from_a_checkpoint_of_another_adapter_shape_is_refused(tokenize
         trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-2"))
     with pytest.raises(FileNotFoundError, match="no modules.json, so it is not a checkpoint of a ContrastiveTrainer"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "r4"))
-    (tmp_path / "r8" / "checkpoint-3").mkdir()  # a save cut short (resume=True takes the newest)
-    (tmp_path / "r8" / "checkpoint-3" / "config_sentence_transformers.json").write_text("{}")
+    shutil.copytree(tmp_path / "r8" / "checkpoint-2", tmp_path / "r8" / "checkpoint-3")  # cut short at the end:
+    (tmp_path / "r8" / "checkpoint-3" / "trainer_state.json").unlink()  # resume=True takes the newest
     with pytest.raises(FileNotFoundError, match=r"checkpoint-3' is incomplete.*\['checkpoint-2', 'checkpoint-4'\]"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "r8" / "checkpoint-3"))
 

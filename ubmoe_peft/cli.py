@@ -169,12 +169,18 @@ def check_report_to(config: Any) -> None:
 
     available = get_available_reporting_integrations()  # transformers' own check of each integration's package
     # flyte is the one integration that function does not check; its callback checks itself.
+    unknown = [name for name in config.report_to or [] if name not in INTEGRATION_TO_CALLBACK]
+    if unknown:  # transformers refused it only once the trainer was built
+        raise ValueError(
+            f"--report_to {' '.join(config.report_to)}: {unknown} unknown; use some of "
+            f"{sorted(INTEGRATION_TO_CALLBACK)}, 'all' (every one installed) or 'none'."
+        )
     checked = set(INTEGRATION_TO_CALLBACK) - {"flyte"}
     missing = [name for name in config.report_to or [] if name in checked and name not in available]
     if missing:
         raise ValueError(
-            f"--report_to {' '.join(config.report_to)}: {', '.join(missing)} is not installed (pip install "
-            f"{' '.join(missing)}), or drop it (--report_to none logs to the console only)."
+            f"--report_to {' '.join(config.report_to)}: {', '.join(missing)} is not installed (install its package, "
+            f"e.g. pip install {missing[0]}), or drop it (--report_to none logs to the console only)."
         )
 
 
@@ -200,7 +206,7 @@ class EvalArgs:
                 "(texts per forward and tokens per text, e.g. 8 and 256)."
             )
         if self.output is not None:  # checked now, not after the whole evaluation has run
-            path = Path(self.output)
+            path = Path(os.path.realpath(self.output))  # a link: its file is written
             if path.is_dir():
                 raise ValueError(
                     f"--output {self.output!r} is a folder; name a file in it, e.g. {path / 'results.json'}."

@@ -240,6 +240,11 @@ class UBMoEEncoder(InputModule):
 
             hub = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
             folder = Path(cls.load_dir_path(model_name_or_path, subfolder=subfolder, **hub))
+            if not (folder / cls.config_file_name).is_file():  # its defaults loaded silently: no prompt, 512 tokens
+                raise UBMoEFileError(
+                    f"{str(folder)!r} has no {cls.config_file_name}, the encoder's prompt, max_length and mode that "
+                    "st.save writes: the save was cut short or the file removed. Save the encoder again."
+                )
             settings = read_json_config(folder / cls.config_file_name)  # a damaged file is named
             adapter, name = _saved_adapter(folder / ADAPTER_FOLDER)
             if DIGEST_KEY in settings and settings[DIGEST_KEY] != _weights_digest(folder):  # older saves have none

@@ -168,7 +168,10 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
         made = os.path.dirname(made)
     made = None if os.path.exists(made) else made
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    # A mount point (a container's volume) cannot be removed, nor can files be renamed into it from outside: its
+    # files are staged inside it. Anything else is staged beside it and swapped in.
+    inside = os.path.isdir(path) and os.path.ismount(path) and not os.listdir(path)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=path if inside else parent)
     old = None
     try:
         existing = os.path.isdir(path)
@@ -177,14 +180,13 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
         if existing and replace and os.listdir(path):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
             os.replace(path, os.path.join(old, "folder"))  # a kill from here to the next line leaves it in .old
+        elif inside:
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(path, name))
+            os.rmdir(tmp)
+            return
         elif existing:
-            try:
-                os.rmdir(path)  # empty
-            except OSError:  # busy (a mount point) or not removable: fill it in place, the folder kept
-                for name in os.listdir(tmp):
-                    os.replace(os.path.join(tmp, name), os.path.join(path, name))
-                os.rmdir(tmp)
-                return
+            os.rmdir(path)  # empty
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -363,13 +365,17 @@ def _keep_previous(paths: list[str]) -> dict[str, str]:
     name, the link keeps the earlier file, and moving it back restores that (a save that failed between an adapter's
     weights and its config left new weights beside the earlier config, and neither loaded). A filesystem without
     hard links keeps nothing, as before."""
+    import glob
+
     kept = {}
     for path in paths:
-        if os.path.isfile(path):
-            link = f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path))}.{os.getpid()}.previous"
+        hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
+        for stale in glob.glob(glob.escape(hidden) + ".*.previous"):  # left by a save that was killed
             with contextlib.suppress(OSError):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(link)
+                os.remove(stale)
+        if os.path.isfile(path):
+            link = f"{hidden}.{os.getpid()}.previous"
+            with contextlib.suppress(OSError):
                 os.link(path, link)
                 kept[path] = link
     return kept

@@ -407,6 +407,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         from peft import set_peft_model_state_dict
         from peft.peft_model import load_peft_weights  # ubmoe_peft.io's safe reader (peft.utils' is PEFT's own)
 
+        _refuse_incomplete(checkpoint_path)  # before transformers' raw error on its missing trainer_state.json
         adapter = self.peft_model.active_adapter
         folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
         folder = checkpoint_adapter(self.peft_model, folder, checkpoint_path)
@@ -604,6 +605,7 @@ class RouterTrainer(SFTTrainer):
         return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        _refuse_incomplete(resume_from_checkpoint)  # before transformers' raw error on its missing trainer_state.json
         # transformers saves the adapter "default" at the checkpoint's top and every other one in a subfolder
         folder = Path(resume_from_checkpoint)
         active = checkpoint_adapter(self.model, folder, resume_from_checkpoint)

@@ -142,23 +142,26 @@ def widen_quantized_copies(model: nn.Module, state_dict: dict) -> None:
 
 
 def refuse_sentence_transformers_module() -> None:
-    """Refuse an adapter put in by sentence-transformers' own ``Transformer`` module: ``SentenceTransformer(folder)``
-    of an adapter folder holding a tokenizer (transformers' ``from_pretrained`` loads the adapter on its own). That
-    module runs the model as it is, in mode moe (causal), and with none of a saved wrapper's prompt and pooling: the
-    embeddings were silently not the bidirectional ones. No hook of either library says who is loading, so the
-    calling frames are read (once per adapter, not per forward). (``SentenceTransformer.add_adapter`` goes through
-    transformers' adapter methods, which refuse peft < 0.22 themselves.)"""
+    """Refuse an adapter put in by sentence-transformers' own model code: ``SentenceTransformer(folder)`` of an
+    adapter folder holding a tokenizer (its ``Transformer`` module has transformers load the adapter) and
+    ``SentenceTransformer.load_adapter``. sentence-transformers then runs the model as it is, in mode moe (causal),
+    and with none of a saved encoder's prompt and pooling: the embeddings were silently not the bidirectional ones.
+    No hook of either library says who is loading, so the calling frames' code is read, once per adapter (only names:
+    reading a frame's local variables would keep them alive). ``add_adapter`` is refused by transformers itself
+    (peft < 0.22)."""
     frame = inspect.currentframe()
     while frame is not None:
-        owner = type(frame.f_locals.get("self"))
-        if owner.__name__ == "Transformer" and owner.__module__.startswith("sentence_transformers."):
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.startswith("sentence_transformers.") and (
+            module.lower().endswith((".transformer", ".peft_mixin"))  # its Transformer module, its adapter methods
+        ):
             raise ValueError(
-                "A UBMoE adapter is being loaded by sentence-transformers' Transformer module (as "
-                "SentenceTransformer(folder) does for an adapter folder with a tokenizer): it would embed in mode "
-                "'moe', with causal attention, not the bidirectional mode "
-                "'bi', and without the prompt and pooling of a saved encoder. Build the encoder with "
-                "ubmoe_peft.to_sentence_transformer(PeftModel.from_pretrained(base, adapter_folder), tokenizer), or "
-                "load one saved by its .save(folder) with ubmoe_peft.load_sentence_transformer(base, folder)."
+                "A UBMoE adapter is being loaded by sentence-transformers' own model code (SentenceTransformer(folder) "
+                "of an adapter folder with a tokenizer, or SentenceTransformer.load_adapter): it would embed in mode "
+                "'moe', with causal attention, not the bidirectional mode 'bi', and without the prompt and pooling of "
+                "a saved encoder. Build the encoder with ubmoe_peft.to_sentence_transformer(PeftModel.from_pretrained("
+                "base, adapter_folder), tokenizer), or load one saved by its .save(folder) with "
+                "ubmoe_peft.load_sentence_transformer(base, folder)."
             )
         frame = frame.f_back
 
