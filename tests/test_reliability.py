@@ -226,6 +226,7 @@ BAD_FIELDS = {
     "lora_dropout:text": ("abc", ["'abc'", "number in [0, 1)"]),  # float() raised first, naming no field
     # an empty list named nothing, and the errors that followed contradicted themselves
     "layers_to_transform:empty": ([], ["selects no layer", "None for every layer"]),
+    "layers_to_transform:empty tuple": ((), ["selects no layer", "None for every layer"]),
     "ffn_projections:empty": ([], ["selects no projection", "None for every projection"]),
     "target_modules:empty list": ([], ["selects no module", "None for the FFN found"]),
 }
@@ -1070,8 +1071,10 @@ def test_a_save_that_fails_part_way_puts_the_earlier_save_back(tmp_path, monkeyp
         monkeypatch.undo()
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # no stray link either
     (folder / ".adapter_model.safetensors.999999.previous").write_text("a killed save's link")
-    other.save_pretrained(folder)  # the next save removes it
-    assert not list(folder.glob(".*.previous"))
+    (folder / f".adapter_config.json.{os.getppid()}.previous").write_text("a live save's link")
+    other.save_pretrained(folder)  # the next save removes the dead process's link, not the live one's
+    assert [p.name for p in folder.glob(".*.previous")] == [f".adapter_config.json.{os.getppid()}.previous"]
+    (folder / f".adapter_config.json.{os.getppid()}.previous").unlink()
     wrap(lora_alpha=16).save_pretrained(folder)
     peft.PeftModel.from_pretrained(tiny(), folder)
     other.save_pretrained(folder, True, ["default"])  # save_directory, safe_serialization, selected_adapters
@@ -1087,10 +1090,11 @@ def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatc
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     assert stat.S_IMODE((tmp_path / "empty").stat().st_mode) == 0o750
     (tmp_path / "mount").mkdir()
+    (tmp_path / "bind").mkdir()  # a bind mount within one filesystem: not seen by ismount, busy all the same
     real_rmdir, real_ismount = os.rmdir, os.path.ismount
 
     def busy(path, *args, **kwargs):  # a mount point cannot be removed, nor files renamed into it from outside
-        if str(path) == str(tmp_path / "mount"):
+        if str(path) in (str(tmp_path / "mount"), str(tmp_path / "bind")):
             raise OSError(16, "Device or resource busy")
         return real_rmdir(path, *args, **kwargs)
 
@@ -1099,13 +1103,16 @@ def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatc
     with atomic_folder(tmp_path / "mount") as tmp:
         assert pathlib.Path(tmp).parent == tmp_path / "mount"  # staged inside it: same filesystem
         (pathlib.Path(tmp) / "config.json").write_text("{}")
+    with atomic_folder(tmp_path / "bind") as tmp:
+        (pathlib.Path(tmp) / "config.json").write_text("{}")
     monkeypatch.undo()
     assert [p.name for p in (tmp_path / "mount").iterdir()] == ["config.json"]
+    assert [p.name for p in (tmp_path / "bind").iterdir()] == ["config.json"]
     with pytest.raises(RuntimeError), atomic_folder(tmp_path / "a" / "b" / "out") as tmp:
         (pathlib.Path(tmp) / "config.json").write_text("{}")
         raise RuntimeError("the save failed")
     assert not (tmp_path / "a").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mount"]  # no temp folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bind", "empty", "mount"]  # no temp folder left
 
 
 def test_a_refused_load_leaves_the_base_as_it_was_passed(tmp_path):
@@ -1116,12 +1123,13 @@ def test_a_refused_load_leaves_the_base_as_it_was_passed(tmp_path):
     config = json.loads((folder / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
     base = tiny()
+    base.gradient_checkpointing_enable()  # PEFT adds an input-grads hook for it, and freezes the base
     before, ids = snapshot(base), torch.arange(6).view(1, 6)
-    expected = logits(base, ids)
+    expected, hooks = logits(base, ids), sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in base.modules())
     with pytest.raises(AdapterFileError, match="come from different saves"):
         peft.PeftModel.from_pretrained(base, folder)
     assert same_state(base, before) and not ubmoe_layers(base) and not hasattr(base, "peft_config")
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in base.modules())
-    assert torch.equal(logits(base, ids), expected)
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in base.modules()) == hooks
+    assert all(p.requires_grad for p in base.parameters()) and torch.equal(logits(base, ids), expected)
     (folder / "adapter_config.json").write_text(json.dumps(config))
     assert ubmoe_layers(peft.PeftModel.from_pretrained(base, folder))  # the same base takes the good files

@@ -170,14 +170,15 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
     os.makedirs(parent, exist_ok=True)
     # A mount point (a container's volume) cannot be removed, nor can files be renamed into it from outside: its
     # files are staged inside it. Anything else is staged beside it and swapped in.
-    inside = os.path.isdir(path) and os.path.ismount(path) and not os.listdir(path)
+    existing = os.path.isdir(path)
+    had_files = existing and bool(os.listdir(path))
+    inside = existing and not had_files and os.path.ismount(path)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=path if inside else parent)
     old = None
     try:
-        existing = os.path.isdir(path)
         os.chmod(tmp, os.stat(path).st_mode & 0o7777 if existing else _umask_mode(0o777))  # not mkdtemp's 0o700
         yield tmp
-        if existing and replace and os.listdir(path):
+        if had_files and replace:
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
             os.replace(path, os.path.join(old, "folder"))  # a kill from here to the next line leaves it in .old
         elif inside:
@@ -186,7 +187,13 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
             os.rmdir(tmp)
             return
         elif existing:
-            os.rmdir(path)  # empty
+            try:
+                os.rmdir(path)  # empty
+            except OSError:  # busy: a mount point ismount does not see (a bind mount within one filesystem)
+                for name in os.listdir(tmp):
+                    shutil.move(os.path.join(tmp, name), os.path.join(path, name))  # copies across filesystems
+                os.rmdir(tmp)
+                return
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -342,7 +349,9 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             settings = settings_json(self.peft_config[name].to_dict())
             pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
         token = _PENDING_SETTINGS.set(pending)
-        kept = _keep_previous([p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))])
+        writes = bound.arguments.get("is_main_process", True)  # other ranks write nothing, so keep nothing
+        paths = [p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))] if writes else []
+        kept = _keep_previous(paths)
         try:
             return original(*bound.args, **bound.kwargs)
         except BaseException:  # an error or interrupt part-way: every file is the earlier save's again
@@ -360,6 +369,16 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
     return save_pretrained
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
 def _keep_previous(paths: list[str]) -> dict[str, str]:
     """{path: a hard link to its current file}, for each of ``paths`` that exists: an atomic rewrite replaces the
     name, the link keeps the earlier file, and moving it back restores that (a save that failed between an adapter's
@@ -371,8 +390,10 @@ def _keep_previous(paths: list[str]) -> dict[str, str]:
     for path in paths:
         hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
         for stale in glob.glob(glob.escape(hidden) + ".*.previous"):  # left by a save that was killed
-            with contextlib.suppress(OSError):
-                os.remove(stale)
+            pid = stale.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _alive(int(pid)):  # another live process's link is its way back: kept
+                with contextlib.suppress(OSError):
+                    os.remove(stale)
         if os.path.isfile(path):
             link = f"{hidden}.{os.getpid()}.previous"
             with contextlib.suppress(OSError):
@@ -436,11 +457,21 @@ def _wrap_from_pretrained(original: Any) -> Any:
         from .tuners.ubmoe.model import UBMoEModel
 
         plain = not any(isinstance(m, UBMoELayer) for m in model.modules())
+        if plain:  # what a refused load must give back: PEFT freezes the base and adds hooks before the weights load
+            hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()]
+            trainable = [(p, p.requires_grad) for p in model.parameters()]
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
             if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
                 UBMoEModel.undo_failed_load(model)
+                for module, forward, pre in hooks:
+                    for key in set(module._forward_hooks) - forward:
+                        del module._forward_hooks[key]
+                    for key in set(module._forward_pre_hooks) - pre:
+                        del module._forward_pre_hooks[key]
+                for parameter, flag in trainable:
+                    parameter.requires_grad_(flag)
             raise
         finally:
             _OWN_CONFIG.reset(token)

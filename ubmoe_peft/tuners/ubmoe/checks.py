@@ -273,8 +273,8 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
     if not targets:
         children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
         regex = (  # a string is matched against the whole module name, as in PEFT
-            f" A string is a regular expression matched against the whole module name (e.g. "
-            f"'model.layers.0.{config.target_modules}'); a list matches name endings."
+            " A string is a regular expression matched against the whole module name (e.g. r'.*\\.mlp' for every "
+            "layer's mlp); a list matches name endings."
             if isinstance(config.target_modules, str)
             else ""
         )
@@ -282,12 +282,11 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"Target modules {config.target_modules!r} not found in the base model. Its decoder layers have the "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. ['mlp']).{regex}"
         )
-    structure = {id(layer): "a whole decoder layer" for _, layer in layers}
-    structure |= {id(attention_module(layer)): "the layer's attention" for _, layer in layers}
-    wrong = [(name, structure[id(m)]) for name, m in targets.items() if id(m) in structure]
+    attentions = {id(attention_module(layer)) for _, layer in layers}
+    wrong = [name for name, m in targets.items() if id(m) in attentions]
     if wrong:  # accepted, then every forward failed: a UBMoE layer is called with the hidden states alone
         raise ValueError(
-            f"Target module {wrong[0][0]!r} is {wrong[0][1]}, not the FFN: UBMoE wraps the decoder layers' FFNs. "
+            f"Target module {wrong[0]!r} is the layer's attention, not the FFN: UBMoE wraps the decoder layers' FFNs. "
             f"Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)."
         )
     _check_modules_to_save(config, model, targets, adapter_name)

@@ -142,9 +142,10 @@ class UBMoEConfig(PeftConfig):
             self.target_modules = list(self.target_modules)
         chosen = (("layers_to_transform", "layer"), ("ffn_projections", "projection"), ("target_modules", ""))
         for name, means in chosen:
-            if getattr(self, name) == []:  # it named nothing; the errors that followed contradicted themselves
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)) and not value:  # named nothing: the errors after it contradicted
                 raise ValueError(
-                    f"UBMoEConfig({name}=[]) selects no {means or 'module'}: leave it None for "
+                    f"UBMoEConfig({name}={value!r}) selects no {means or 'module'}: leave it None for "
                     + ("the FFN found from the model" if name == "target_modules" else f"every {means}")
                     + ", or name some."
                 )
