@@ -11,6 +11,7 @@ import pathlib
 import pickle
 import random
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -1070,11 +1071,13 @@ def test_a_save_that_fails_part_way_puts_the_earlier_save_back(tmp_path, monkeyp
             other.save_pretrained(folder)
         monkeypatch.undo()
         assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # no stray link either
-    (folder / ".adapter_model.safetensors.999999.previous").write_text("a killed save's link")
-    (folder / f".adapter_config.json.{os.getppid()}.previous").write_text("a live save's link")
-    other.save_pretrained(folder)  # the next save removes the dead process's link, not the live one's
-    assert [p.name for p in folder.glob(".*.previous")] == [f".adapter_config.json.{os.getppid()}.previous"]
-    (folder / f".adapter_config.json.{os.getppid()}.previous").unlink()
+    live = f".adapter_config.json.{os.getppid()}.ab12.previous"
+    (folder / live).write_text("a live save's link")
+    for left in (f"{os.getpid()}.cd34", "4194305.ef56", "99999999999999999999.0a0b", "x.0000"):  # this pid: a restart's
+        (folder / f".adapter_model.safetensors.{left}.previous").write_text("a killed save's link")
+    other.save_pretrained(folder)  # the next save removes links of no running process, not the live one's
+    assert [p.name for p in folder.glob(".*.previous")] == [live]
+    (folder / live).unlink()
     wrap(lora_alpha=16).save_pretrained(folder)
     peft.PeftModel.from_pretrained(tiny(), folder)
     other.save_pretrained(folder, True, ["default"])  # save_directory, safe_serialization, selected_adapters
@@ -1103,6 +1106,19 @@ def test_a_folder_in_place_of_an_empty_one_or_a_mount_point(tmp_path, monkeypatc
     with atomic_folder(tmp_path / "mount") as tmp:
         assert pathlib.Path(tmp).parent == tmp_path / "mount"  # staged inside it: same filesystem
         (pathlib.Path(tmp) / "config.json").write_text("{}")
+    real_move = shutil.move
+
+    def full(source, target):  # the copy into the folder fails part-way: nothing of it is left there
+        if source.endswith("b.json"):
+            raise OSError(28, "No space left on device")
+        return real_move(source, target)
+
+    monkeypatch.setattr(shutil, "move", full)
+    with pytest.raises(OSError, match="No space"), atomic_folder(tmp_path / "bind") as tmp:
+        (pathlib.Path(tmp) / "a.json").write_text("{}")
+        (pathlib.Path(tmp) / "b.json").write_text("{}")
+    assert not list((tmp_path / "bind").iterdir())
+    monkeypatch.setattr(shutil, "move", real_move)
     with atomic_folder(tmp_path / "bind") as tmp:
         (pathlib.Path(tmp) / "config.json").write_text("{}")
     monkeypatch.undo()

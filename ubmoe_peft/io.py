@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import functools
 import inspect
 import itertools
 import json
 import os
+import secrets
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -182,17 +184,23 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".old", dir=parent)
             os.replace(path, os.path.join(old, "folder"))  # a kill from here to the next line leaves it in .old
         elif inside:
-            for name in os.listdir(tmp):
-                os.replace(os.path.join(tmp, name), os.path.join(path, name))
-            os.rmdir(tmp)
+            _move_up(tmp, path)
             return
         elif existing:
             try:
                 os.rmdir(path)  # empty
-            except OSError:  # busy: a mount point ismount does not see (a bind mount within one filesystem)
-                for name in os.listdir(tmp):
-                    shutil.move(os.path.join(tmp, name), os.path.join(path, name))  # copies across filesystems
+            except OSError as err:  # busy: a mount point ismount does not see (a bind mount within one filesystem)
+                if err.errno != errno.EBUSY or os.listdir(path):  # not empty any more: another export filled it
+                    raise
+                inner = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=path)
+                try:
+                    for name in os.listdir(tmp):  # a copy across filesystems, into a hidden folder: all or nothing
+                        shutil.move(os.path.join(tmp, name), os.path.join(inner, name))
+                except BaseException:
+                    shutil.rmtree(inner, ignore_errors=True)
+                    raise
                 os.rmdir(tmp)
+                _move_up(inner, path)
                 return
         os.replace(tmp, path)
     except BaseException:
@@ -206,6 +214,13 @@ def atomic_folder(path: str | os.PathLike, replace: bool = False):
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(parent)
+
+
+def _move_up(staged: str, path: str) -> None:
+    """Move the entries of ``staged``, a folder inside ``path``, into ``path``: renames within one filesystem."""
+    for name in os.listdir(staged):
+        os.replace(os.path.join(staged, name), os.path.join(path, name))
+    os.rmdir(staged)
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
@@ -369,9 +384,13 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
     return save_pretrained
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: str) -> bool:
+    """Whether ``pid`` (from a link's name) is a running process other than this one (a link of this pid was left
+    by an earlier process that had it; saves of one folder from two threads are not supported)."""
+    if not (pid.isascii() and pid.isdigit()) or not 0 < int(pid) < 2**22 or int(pid) == os.getpid():
+        return False
     try:
-        os.kill(pid, 0)
+        os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except OSError:  # exists, owned by another user
@@ -390,12 +409,12 @@ def _keep_previous(paths: list[str]) -> dict[str, str]:
     for path in paths:
         hidden = os.path.join(os.path.dirname(path), "." + os.path.basename(path))
         for stale in glob.glob(glob.escape(hidden) + ".*.previous"):  # left by a save that was killed
-            pid = stale.rsplit(".", 2)[-2]
-            if pid.isdigit() and not _alive(int(pid)):  # another live process's link is its way back: kept
+            pid = stale.rsplit(".", 3)[-3]  # .NAME.PID.RANDOM.previous
+            if not _alive(pid):  # another live process's link is its way back: kept
                 with contextlib.suppress(OSError):
                     os.remove(stale)
         if os.path.isfile(path):
-            link = f"{hidden}.{os.getpid()}.previous"
+            link = f"{hidden}.{os.getpid()}.{secrets.token_hex(4)}.previous"  # never taken, even by a restarted pid
             with contextlib.suppress(OSError):
                 os.link(path, link)
                 kept[path] = link
