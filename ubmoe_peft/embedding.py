@@ -271,7 +271,7 @@ DIGEST_KEY = "adapter_sha256"  # the encoder config's record of the adapter weig
 
 
 def _weights_digest(folder: Path) -> str:
-    """SHA-256 of the weights of the adapter saved in ``folder``'s adapter folder (about 1 s per GB)."""
+    """SHA-256 of the weights of the adapter saved in ``folder``'s adapter folder."""
     import hashlib
 
     from .io import WEIGHTS_NAME

@@ -27,6 +27,7 @@ from torch import nn
 
 from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
+from .embedding import ADAPTER_FOLDER
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, AdapterMismatchError, read_json_config
 from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
@@ -179,15 +180,13 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
         return saved[adapter]
     if list(saved) == ["default"]:
         return folder
-    if (folder / "ubmoe_adapter" / CONFIG_NAME).is_file():  # sentence-transformers' layout: stage 1's checkpoint
+    if (folder / ADAPTER_FOLDER / CONFIG_NAME).is_file():  # sentence-transformers' layout: stage 1's checkpoint
         raise AdapterMismatchError(
             f"Checkpoint {checkpoint!r} is a stage-1 (contrastive) checkpoint, which stage 2 cannot resume: its "
-            f"adapter ({folder / 'ubmoe_adapter'}) is what stage 2 starts from (--adapter on the command line). Resume "
+            f"adapter ({folder / ADAPTER_FOLDER}) is what stage 2 starts from (--adapter on the command line). Resume "
             "stage 2 from one of its own checkpoints, or start it without resume_from_checkpoint."
         )
     held = f"adapters {list(saved)}" if saved else "no adapter weights"
-    if not saved:
-        _refuse_incomplete(checkpoint)
     raise AdapterMismatchError(
         f"Checkpoint {checkpoint!r} holds {held} ({folder}), but the model trains adapter {adapter!r}: its weights "
         "would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, or the "
@@ -409,7 +408,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
 
         _refuse_incomplete(checkpoint_path)  # before transformers' raw error on its missing trainer_state.json
         adapter = self.peft_model.active_adapter
-        folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / "ubmoe_adapter"
+        folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / ADAPTER_FOLDER
         folder = checkpoint_adapter(self.peft_model, folder, checkpoint_path)
         check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path)
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
@@ -491,7 +490,6 @@ def _encoder_path(checkpoint: str) -> str:
     """The UBMoE encoder's folder inside a saved SentenceTransformer (its entry in modules.json; "" at the top)."""
     modules_file = Path(checkpoint) / "modules.json"
     if not modules_file.is_file():
-        _refuse_incomplete(checkpoint)
         raise FileNotFoundError(
             f"{checkpoint!r} has no modules.json, so it is not a checkpoint of a ContrastiveTrainer run. Pass the "
             "checkpoint-<step> folder the trainer saved in its output_dir."
