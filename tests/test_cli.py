@@ -449,7 +449,8 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["dependence", "--data", "missing.txt", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
         (["train-contrastive", "--per_device_train_batch_size", "0"], ValueError, "batch_size=0 must be a positive"),
         (["train-router", "--gradient_accumulation_steps", "0"], ValueError, "accumulation_steps=0 must be a pos"),
-        (["train-router", "--max_length", "0"], ValueError, "max_length=0 must be a positive number of tokens"),
+        (["train-router", "--max_length", "0"], ValueError, "max_length=0 must be at least 2 tokens"),
+        (["train-router", "--max_length", "1"], ValueError, "max_length=1 must be at least 2 tokens"),
         (["train-contrastive", "--num_train_epochs", "0"], ValueError, "num_train_epochs=0.0 with max_steps unset"),
         (["train-contrastive", "--max_steps", "-5"], ValueError, "max_steps=-5 must be a positive number"),
         (["train-contrastive", "--learning_rate", "-1"], ValueError, "learning_rate=-1.0 must be a positive, finite"),
@@ -548,6 +549,13 @@ def test_report_to_an_integration_that_is_not_installed_is_named_before_the_mode
         run(["train-router", "--adapter", "a", "--model", files["model"], "--report_to", "nonsense"])
     with pytest.raises(ValueError, match="--report_to wandb: wandb is not installed .install its package, e.g. pip"):
         run(["train-router", "--adapter", "a", "--model", files["model"], "--report_to", "wandb"])
+
+
+def test_layers_out_of_range_are_refused_before_the_model_loads(files, tmp_path, monkeypatch):
+    monkeypatch.setattr("ubmoe_peft.cli.load_model", None)  # never reached: the tuner named it only after the load
+    argv = ["train-contrastive", "--model", files["model"], "--data", files["triplets"], "--output_dir"]
+    with pytest.raises(ValueError, match=r"--layers_to_transform 0 5 names layers \[5\], but --model .* has 2 decoder"):
+        run([*argv, str(tmp_path / "out"), "--layers_to_transform", "0", "5"])
 
 
 def test_a_wrong_model_folder_is_named_with_the_fix(files, tmp_path):

@@ -397,6 +397,22 @@ def _check_model_folder(args: ModelArgs) -> None:
         )
 
 
+def _check_layers(args: ModelArgs, layers: list[int] | None) -> None:
+    """--layers_to_transform within a local --model folder's layers, read from its config.json before the weights
+    load (the tuner's own check comes only once the model has loaded; a hub id or GGUF file is left to it)."""
+    if not layers or args.gguf_file or args.model == "smollm2" or not (Path(args.model) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    count = getattr(AutoConfig.from_pretrained(args.model).get_text_config(), "num_hidden_layers", None)
+    bad = [i for i in layers if isinstance(count, int) and i >= count]
+    if bad:
+        raise ValueError(
+            f"--layers_to_transform {' '.join(map(str, layers))} names layers {bad}, but --model {args.model!r} has "
+            f"{count} decoder layers (0..{count - 1})."
+        )
+
+
 def _check_adapter_output(output_dir: str) -> None:
     """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`), and
     never over an adapter saved before (a training run would replace it without a word)."""
@@ -569,6 +585,7 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
     check_report_to(config)
     if model_args.adapter is None:
         UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
+        _check_layers(model_args, settings["layers_to_transform"])
     rows = load_rows(data.data, "contrastive", data.split, data.max_rows, data.data_config)
     eval_rows = data.eval_rows("contrastive", config, rows)
     if rows.column_names == ["text"]:  # unsupervised SimCSE: each text paired with itself

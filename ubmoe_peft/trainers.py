@@ -125,8 +125,11 @@ def check_training_counts(config: Any) -> None:
     if neftune is not None and not 0 < neftune < math.inf:  # a negative one failed in training, in torch's uniform_
         raise ValueError(f"neftune_noise_alpha={neftune!r} must be a positive number (NEFTune's paper uses 5).")
     max_length = getattr(config, "max_length", None)
-    if max_length is not None and max_length < 1:
-        raise ValueError(f"max_length={max_length!r} must be a positive number of tokens, or None for no limit.")
+    if max_length is not None and max_length < 2:  # 1 trained on nothing (SFT: no next token) and saved the adapter
+        raise ValueError(
+            f"max_length={max_length!r} must be at least 2 tokens (a one-token text has no next token to learn and "
+            "gives every pair the same embedding), e.g. 512, or None for no limit."
+        )
 
 
 # What makes a resumed run the run it continues: the settings that change what the adapter computes, and the two
