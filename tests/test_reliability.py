@@ -358,6 +358,25 @@ def test_checkpoint_that_does_not_fill_the_adapter_is_refused(saved, case):
         assert phrase in str(info.value), (phrase, str(info.value))
 
 
+@pytest.mark.parametrize("case", ["wrong shape", "non-finite"])
+def test_a_refused_load_adapter_leaves_no_adapter_behind(tmp_path, case):
+    """The weights are checked as PEFT loads them, after the new adapter's layers exist: the never-loaded adapter
+    stayed in the model (set_adapter ran it, save_pretrained saved it, a good load under its name was refused)."""
+    model = trained(wrap(modules_to_save=["lm_head"]))
+    model.save_pretrained(tmp_path / "good")
+    model.save_pretrained(tmp_path / "bad")
+    _edit_weights(tmp_path / "bad", TAMPERED[case][0] if case != "wrong shape" else _reshape_router)
+    loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path / "good", is_trainable=True).eval()
+    before, flags = snapshot(loaded), {n: p.requires_grad for n, p in loaded.named_parameters()}
+    with pytest.raises(AdapterMismatchError):
+        loaded.load_adapter(tmp_path / "bad", adapter_name="x")
+    assert list(loaded.peft_config) == ["default"] and loaded.active_adapter == "default"
+    assert same_state(loaded, before)
+    assert {n: p.requires_grad for n, p in loaded.named_parameters()} == flags
+    loaded.load_adapter(tmp_path / "good", adapter_name="x")  # the name is free again
+    assert sorted(loaded.peft_config) == ["default", "x"]
+
+
 def _truncate(path: pathlib.Path) -> None:
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
 
