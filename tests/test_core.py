@@ -816,6 +816,7 @@ def test_loading_onto_the_base_that_was_wrapped_gives_a_working_model(saved_in, 
         (dict(expert_type="copy"), dict(expert_type="lora", attention_r=4)),
         (dict(attention_r=4), dict()),
         (dict(), dict(layers_to_transform=[1])),
+        (dict(modules_to_save=["lm_head"]), dict()),  # the first's head copy stayed: PEFT sought it in the file
     ],
 )
 def test_loading_an_adapter_of_other_settings_onto_the_wrapped_base_replaces_the_first(first, saved, tmp_path):

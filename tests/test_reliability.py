@@ -535,6 +535,33 @@ def test_an_adapter_saved_with_the_embeddings_loads_back(tmp_path, case):
             peft.PeftModel.from_pretrained(plain, tmp_path / "adapter")
 
 
+def test_a_second_adapters_copy_of_the_attention_shares_the_live_tuners_hooks(tmp_path):
+    """PEFT deep-copies a modules_to_save module with its hooks: the attention's mode-bi check, a bound method, took
+    a copy of the whole model along, whose frozen mode (bi, when loaded in mode bi) then refused every causal forward
+    of that adapter."""
+    trained(wrap(modules_to_save=["self_attn"])).save_pretrained(tmp_path / "b")
+    ids = torch.arange(3, 12).view(1, 9)
+    alone = peft.PeftModel.from_pretrained(tiny(), tmp_path / "b").eval()
+    expected = {}
+    for mode in ("moe", "bi"):
+        ubmoe_peft.set_mode(alone, mode)
+        expected[mode] = logits(alone, ids)
+    wrap().save_pretrained(tmp_path / "a")
+    model = peft.PeftModel.from_pretrained(tiny(), tmp_path / "a", adapter_name="first").eval()
+    ubmoe_peft.set_mode(model, "bi")  # an embedding server loading a second adapter
+    model.load_adapter(tmp_path / "b", adapter_name="second")
+    model.set_adapter("second")
+    model.eval()
+    copy = model.base_model.model.model.layers[0].self_attn.modules_to_save["second"]
+    assert {h.__self__ for h in copy._forward_pre_hooks.values()} == {model.base_model}  # the live tuner, no copy
+    for mode in ("moe", "bi"):
+        ubmoe_peft.set_mode(model, mode)
+        torch.testing.assert_close(logits(model, ids), expected[mode], rtol=0, atol=0)
+    plain = model.base_model.unload()
+    hooks = [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    assert not hooks  # none left on the copies either
+
+
 def test_modules_to_save_train_in_the_stages_that_use_them_and_serve_every_mode():
     """set_stage froze them (no stage trained what the config asked to train); then it made the LM head trainable in
     stage contrastive too, whose embeddings never reach it (unused: DDP's unused-parameter check failed). They are

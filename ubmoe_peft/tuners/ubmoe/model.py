@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner
+from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 from transformers import PreTrainedConfig
 
@@ -62,6 +63,22 @@ def _drop_saved_copy_duplicates(state_dict: dict, adapter_name: str) -> dict:
     return kept
 
 
+class _TunerHook:
+    """A forward hook of the tuner's on a base module, which deep copies of that module share. PEFT's modules_to_save
+    deep-copies a module with its hooks: a bound method took a copy of the whole tuner (and of the model) along,
+    and the trained copy then checked masks against that copy's frozen mode."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.__self__ = method.__self__  # the owning tuner, as for the bound method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _TunerHook:
+        return self
+
+
 class UBMoEModel(BaseTuner):
     """Wraps each targeted FFN of ``model`` in a `UBMoELayer` and makes attention bidirectional in mode ``"bi"``."""
 
@@ -109,14 +126,15 @@ class UBMoEModel(BaseTuner):
         owners = {id(h.__self__): h.__self__ for h in backbone._forward_pre_hooks.values() if hasattr(h, "__self__")}
         for owner in owners.values():
             if isinstance(owner, UBMoEModel) and owner is not self:
-                for handle in owner._ubmoe_hooks:
-                    handle.remove()
-                owner._ubmoe_hooks.clear()
+                owner._remove_hooks()
         for layer in layers:
             layer._state.superseded = "wrapped again"
             layer._state = self._ubmoe_state
             layer.drop_adapter(adapter_name)
             layer.set_attention_hooks(self._ubmoe_state.attention_hooked)
+        for module in model.modules():  # and its trained copies (modules_to_save), which PEFT would expect in the file
+            if isinstance(module, AuxiliaryTrainingWrapper):
+                module.delete_adapter(adapter_name, new_active_adapters=None)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
@@ -182,14 +200,29 @@ class UBMoEModel(BaseTuner):
     # ---- forward hooks: attention per mode ----------------------------------------------------------------------
     def _install_forward_hooks(self) -> None:
         backbone = getattr(self.model, "base_model", self.model)
-        self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
-        self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
+        before, after = _TunerHook(self._before_backbone), _TunerHook(self._after_backbone)
+        self._ubmoe_hooks.append(backbone.register_forward_pre_hook(before, with_kwargs=True))
+        self._ubmoe_hooks.append(backbone.register_forward_hook(after, always_call=True))
         layers = decoder_layers(self.model)
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
         # The first layer that has one: a hybrid's first layer may be a convolution or state-space block (LFM2, Bamba)
         attention = next((a for _, layer in layers if (a := attention_module(layer)) is not None), None)
         if attention is not None:
-            self._ubmoe_hooks.append(attention.register_forward_pre_hook(self._check_bidirectional, with_kwargs=True))
+            check = _TunerHook(self._check_bidirectional)
+            self._ubmoe_hooks.append(attention.register_forward_pre_hook(check, with_kwargs=True))
+
+    def _remove_hooks(self) -> None:
+        """Remove this tuner's forward hooks, also from the trained copies of hooked modules (modules_to_save)."""
+        for handle in self._ubmoe_hooks:
+            handle.remove()
+        self._ubmoe_hooks.clear()
+        for module in self.model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key in [k for k, h in hooks.items() if isinstance(h, _TunerHook) and h.__self__ is self]:
+                    del hooks[key]
+                    for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+                        getattr(module, extra).pop(key, None)
+                    module._forward_hooks_always_called.pop(key, None)
 
     def _attn_implementation(self) -> str | None:
         return getattr(text_config(self.model), "_attn_implementation", None)
@@ -431,9 +464,7 @@ class UBMoEModel(BaseTuner):
         None; the bare model. This model is spent: its modes, forward and `generate` refuse from now on (a
         SentenceTransformer made from it embedded silently with the base model)."""
         self._ubmoe_state.superseded = "unloaded"
-        for handle in self._ubmoe_hooks:
-            handle.remove()
-        self._ubmoe_hooks.clear()
+        self._remove_hooks()
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
                 module.remove_attention_hooks()
