@@ -980,6 +980,20 @@ def test_a_base_holding_another_peft_methods_layers_is_refused_and_left_intact(l
     assert layers(model)
 
 
+def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_path):
+    """PEFT only warned: the LoRA model kept the UBMoE layers routing inside it, and its save held their tensors."""
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+
+    get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "lora")
+    base = tiny_model("llama")
+    model = get_peft_model(base, UBMoEConfig())
+    with pytest.raises(ValueError, match=r"is a LORA adapter, but the model passed holds UBMoE layers.*unload\(\)"):
+        PeftModel.from_pretrained(base, tmp_path / "lora")
+    assert layers(model) and not any(isinstance(m, LoraLayer) for m in base.modules())
+    assert layers(PeftModel.from_pretrained(model.unload(), tmp_path / "lora")) == []  # the named fix
+
+
 # ---- multiple adapters --------------------------------------------------------------------------------------------
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():
     """New modules start in training mode; an adapter added to an eval-mode model used to drop out at inference

@@ -470,12 +470,21 @@ def _wrap_from_pretrained(original: Any) -> Any:
         # Without config=, PEFT builds the adapter from the folder's own config: there is nothing to compare (files
         # saved before a setting existed would differ from the defaults filled in, and load fine)
         config = args[2] if len(args) > 2 else kwargs.get("config")  # after adapter_name and is_trainable
-        _refuse_disk_offload(model, model_id, _local_folder(model_id, kwargs.get("subfolder")))  # before any change
-        token = _OWN_CONFIG.set(config is None)
+        folder = _local_folder(model_id, kwargs.get("subfolder"))
+        _refuse_disk_offload(model, model_id, folder)  # before any change
         from .tuners.ubmoe.layer import UBMoELayer
         from .tuners.ubmoe.model import UBMoEModel
 
         plain = not any(isinstance(m, UBMoELayer) for m in model.modules())
+        if not plain and folder is not None and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+            kind = read_json_config(os.path.join(folder, CONFIG_NAME)).get("peft_type")
+            if kind != UBMOE_TYPE:  # PEFT only warned, then ran its layers beside the UBMoE ones, which kept routing
+                raise ValueError(
+                    f"{model_id!r} is a {kind} adapter, but the model passed holds UBMoE layers (get_peft_model and "
+                    "PeftModel.from_pretrained change their base in place). Load it onto a fresh base model, or get "
+                    "the bare base back first with unload() on the UBMoE model."
+                )
+        token = _OWN_CONFIG.set(config is None)
         if plain:  # what a refused load must give back: PEFT freezes the base and adds hooks before the weights load
             hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()]
             trainable = [(p, p.requires_grad) for p in model.parameters()]
