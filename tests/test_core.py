@@ -995,6 +995,19 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
 
 
 # ---- multiple adapters --------------------------------------------------------------------------------------------
+def test_several_active_adapters_are_refused():
+    """PEFT's set_adapter([...]) on adapters of other layers ran each on its layers, a silent mix (the per-layer
+    check caught only adapters sharing a layer)."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(layers_to_transform=[0]))
+    model.add_adapter("two", UBMoEConfig(layers_to_transform=[1]))
+    for names in (["default", "two"], []):
+        with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time .*Pass one adapter name"):
+            model.base_model.set_adapter(names)
+    assert model.active_adapters == ["default"]
+    model.base_model.set_adapter(["two"])
+    assert model.active_adapters == ["two"]
+
+
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():
     """New modules start in training mode; an adapter added to an eval-mode model used to drop out at inference
     once set active (PEFT's LoRA still does)."""

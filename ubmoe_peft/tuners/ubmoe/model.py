@@ -163,6 +163,15 @@ class UBMoEModel(BaseTuner):
         # config.router_dtype. PEFT's blanket fp32 upcast would break a bf16 copy expert's forward.
         return None
 
+    def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        if len(names) != 1:  # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix
+            raise ValueError(
+                f"set_adapter({adapter_name!r}): UBMoE runs one adapter at a time (each layer routes between its FFN "
+                "and one adapter's bidirectional expert). Pass one adapter name."
+            )
+        super().set_adapter(adapter_name, inference_mode=inference_mode)
+
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         # PEFT freezes every adapter weight when disabling and makes the active adapter's all trainable when
         # enabling, so `with model.disable_adapter():` (a reference forward, as in DPO) left a stage-router model
