@@ -589,3 +589,21 @@ def test_two_processes_log_the_bi_share_of_all_and_train_stage_1_with_an_lm_head
     assert done.returncode == 0, done.stderr[-3000:]
     shares = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert shares == pytest.approx([expected["eval_bi_share"]] * 2, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "trainer"),
+    [(dict(expert_type="copy"), "ContrastiveTrainer"), (dict(router_dtype="float16"), "RouterTrainer")],
+)
+def test_training_float16_weights_is_refused(tokenizer, tmp_path, adapter, trainer):
+    """AdamW's updates of float16 weights underflow: an fp16 copy expert was NaN after a few steps, the logged loss 0."""
+    model = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig(**adapter))
+    with pytest.raises(ValueError, match=rf"{trainer} would train \d+ float16 parameters .*bfloat16 or float32"):
+        if trainer == "ContrastiveTrainer":
+            ContrastiveTrainer(model, tokenizer, args=ContrastiveConfig(str(tmp_path), **QUIET), train_dataset=_pairs())
+        else:
+            RouterTrainer(
+                model, args=RouterConfig(str(tmp_path), **QUIET), train_dataset=_texts(), processing_class=tokenizer
+            )
+    lora = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig())  # fp32 LoRA and routers train
+    ContrastiveTrainer(lora, tokenizer, args=ContrastiveConfig(str(tmp_path), **QUIET), train_dataset=_pairs())

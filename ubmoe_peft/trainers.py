@@ -98,6 +98,20 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
         )
 
 
+def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:
+    """AdamW's update of a float16 weight is NaN or inf for a gradient below about 2e-4 (its square is 0, and so is
+    eps 1e-8): an fp16 copy expert turned NaN within a few steps while the logged loss read 0 (transformers drops
+    NaN losses from its log). transformers' fp16 mixed precision refuses float16 weights as well."""
+    names = [name for name, param in model.named_parameters() if param.requires_grad and param.dtype == torch.float16]
+    if names:
+        raise ValueError(
+            f"{trainer} would train {len(names)} float16 parameters (e.g. {names[0]}), whose optimizer updates "
+            "underflow to NaN. Load the base in bfloat16 or float32 (with fp16=True in the training arguments for "
+            "float16 mixed precision), or keep float16 weights out of training: UBMoEConfig(expert_type='lora') (fp32 "
+            "adapters) and router_dtype='float32'."
+        )
+
+
 def check_training_counts(config: Any) -> None:
     """Counts that transformers' TrainingArguments take unchecked: a batch size of 0 failed in torch's sampler
     without naming the option, 0 accumulation steps divided by zero, 0 epochs "trained" and saved an untrained
@@ -337,6 +351,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
                     "pairs per batch (and rows), or add a hard-negative column (anchor, positive, negative)."
                 )
         set_stage(model, "contrastive")
+        _refuse_float16_weights(model, "ContrastiveTrainer")
         self.peft_model = model
         self.sentence_transformer = to_sentence_transformer(
             model, tokenizer, pooling=args.pooling, prompt=args.prompt, max_length=args.max_length
@@ -576,6 +591,7 @@ class RouterTrainer(SFTTrainer):
                 "built from a config): RouterTrainer(model, args, train_dataset=..., processing_class=tokenizer)."
             )
         set_stage(model, "router")
+        _refuse_float16_weights(model, "RouterTrainer")
         super().__init__(model=model, args=args, **kwargs)
         _routers_in_their_dtype(model)  # TRL's QLoRA recipe casts every trainable parameter to bf16
 
