@@ -596,7 +596,7 @@ def test_two_processes_log_the_bi_share_of_all_and_train_stage_1_with_an_lm_head
     [(dict(expert_type="copy"), "ContrastiveTrainer"), (dict(router_dtype="float16"), "RouterTrainer")],
 )
 def test_training_float16_weights_is_refused(tokenizer, tmp_path, adapter, trainer):
-    """AdamW's updates of float16 weights underflow: an fp16 copy expert was NaN after a few steps, the logged loss 0."""
+    """AdamW's updates of float16 weights underflow: an fp16 copy expert went NaN in a few steps, logging loss 0."""
     model = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig(**adapter))
     with pytest.raises(ValueError, match=rf"{trainer} would train \d+ float16 parameters .*bfloat16 or float32"):
         if trainer == "ContrastiveTrainer":
