@@ -91,7 +91,10 @@ class DataArgs:
             "help": "Configuration of a hub dataset that has several (e.g. 'triplet' of sentence-transformers/all-nli)."
         },
     )
-    split: str = field(default="train", metadata={"help": "Split to read from a hub dataset or folder."})
+    split: str = field(
+        default="train",
+        metadata={"help": "Split to read (a file holds one, 'train'), or a slice of its rows, e.g. 'train[:90%%]'."},
+    )
     max_rows: int | None = field(default=None, metadata={"help": "Use at most this many rows (the first ones)."})
 
     def __post_init__(self) -> None:
@@ -606,13 +609,15 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
         trainer = ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows, eval_dataset=eval_rows)
         trainer.train(resume_from_checkpoint=resume)
         model.save_pretrained(config.output_dir)
-    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'train-router', config)}")
+    following = _next(model_args, "train-router", config, own_data=data.data is not None)
+    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {following}")
     return config.output_dir
 
 
-def _next(model_args: ModelArgs, command: str, config: Any) -> str:
+def _next(model_args: ModelArgs, command: str, config: Any, own_data: bool = False) -> str:
     """The next command to run on the adapter just saved, with the base it was trained on and a new folder for its
-    output (an adapter is never saved over another, and an export needs a folder)."""
+    output (an adapter is never saved over another, and an export needs a folder). After a stage 1 on the user's own
+    data (``own_data``), stage 2 gets a ``--data CHATS`` to fill in: without --data it trains on the demo chats."""
     given = {
         name: getattr(model_args, name)
         for name in ("model", "gguf_file", "dtype", "device")
@@ -622,7 +627,9 @@ def _next(model_args: ModelArgs, command: str, config: Any) -> str:
     saved = Path(config.output_dir)
     beside = saved if saved.name else saved.resolve()  # "." or "..": name the folder beside it by its real name
     output = beside.with_name(beside.name + {"train-router": "-router", "export": "-moe"}[command])
-    return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))} --output_dir {shlex.quote(str(output))}"
+    data = " --data CHATS" if own_data and command == "train-router" else ""
+    line = f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{data} --output_dir {shlex.quote(str(output))}"
+    return line + (" (CHATS: your chat data, a file or hub dataset id)" if data else "")
 
 
 def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str:
