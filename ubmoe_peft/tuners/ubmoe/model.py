@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,7 +94,10 @@ class UBMoEModel(BaseTuner):
         object.__setattr__(self, "_ubmoe_state", ModeState())
         object.__setattr__(self, "_ubmoe_hooks", [])
         object.__setattr__(self, "_ubmoe_trainable", None)  # (parameter, requires_grad) while adapters are disabled
-        super().__init__(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
+        with warnings.catch_warnings():
+            if any(isinstance(m, UBMoELayer) for m in model.modules()):  # wrapped again: `_take_over` handles it
+                warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
+            super().__init__(model, config, adapter_name, low_cpu_mem_usage=low_cpu_mem_usage, state_dict=state_dict)
         self._install_forward_hooks()
 
     # ---- injection ----------------------------------------------------------------------------------------------
