@@ -764,6 +764,20 @@ def test_save_load_reproduces_all_modes(tmp_path, arch, expert, top_k):
         assert torch.equal(logits(loaded, ids, mask), expected[mode]), mode
 
 
+@pytest.mark.parametrize("expert_type", EXPERTS)
+def test_low_cpu_mem_usage_loads_each_tensor_in_its_parameters_dtype(tmp_path, expert_type):
+    """PEFT assigns the file's tensors there instead of copying them in: an adapter saved from a bf16 model kept bf16
+    routers and LoRA weights (other routing, silently), and a bf16 copy expert failed on a float32 base."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(expert_type=expert_type)).eval()
+    perturb_adapters(model, std=0.2)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    ids, mask = batch()
+    loads = [PeftModel.from_pretrained(tiny_model("llama"), tmp_path, low_cpu_mem_usage=low).eval() for low in (0, 1)]
+    dtypes = [{n: p.dtype for n, p in m.named_parameters()} for m in loads]
+    assert dtypes[1] == dtypes[0] and dtypes[0][next(n for n in dtypes[0] if "ubmoe_router" in n)] == torch.float32
+    torch.testing.assert_close(logits(loads[1], ids, mask), logits(loads[0], ids, mask), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("low_cpu_mem_usage", [False, True])
 def test_lora_b_is_stored_column_major_through_load_cast_and_copy(tmp_path, low_cpu_mem_usage):
     """LoRA B weights (C_out, r) keep B^T contiguous (the fast layout, `column_major`) whether built, loaded by copy

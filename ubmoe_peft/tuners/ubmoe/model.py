@@ -207,8 +207,17 @@ class UBMoEModel(BaseTuner):
         remapped = _drop_saved_copy_duplicates(remapped, adapter_name)
         check_checkpoint(model, config, adapter_name, remapped)
         widen_quantized_copies(model, remapped)
-        # B in its fast layout also where PEFT assigns the loaded tensors instead of copying them (low_cpu_mem_usage)
-        return {key: column_major(v) if _LORA_B.search(key) else v for key, v in remapped.items()}
+        # Where PEFT assigns the loaded tensors instead of copying them into the parameters (low_cpu_mem_usage): each
+        # in its parameter's dtype (a bf16 file kept the routers bf16, a copy expert of another dtype failed in its
+        # first forward), and B in its fast layout.
+        state = model.state_dict()
+
+        def fitted(key: str, value: torch.Tensor) -> torch.Tensor:
+            if key in state and value.is_floating_point():
+                value = value.to(state[key].dtype)
+            return column_major(value) if _LORA_B.search(key) else value
+
+        return {key: fitted(key, value) for key, value in remapped.items()}
 
     # ---- forward hooks: attention per mode ----------------------------------------------------------------------
     def _install_forward_hooks(self) -> None:
