@@ -656,6 +656,26 @@ def test_compare_router_gradient_is_zero_while_the_experts_are_equal():
     assert all(float(layer.ubmoe_router["default"].weight.grad.abs().sum()) == 0 for layer in layers(model))
 
 
+def test_compare_router_gradient_ignores_a_non_finite_expert_not_chosen():
+    """An fp16 bi expert overflowing to inf where every token went to the uni expert: the straight-through term
+    0 * (inf - uni) made the training loss NaN, while inference gave the base model's loss."""
+    model = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig(expert_type="copy"))
+    for layer in layers(model):
+        copy = layer.ubmoe_copy["default"]
+        copy.up_proj.weight.data.fill_(100.0)
+        copy.down_proj.weight.data.fill_(60000.0)  # finite weights, outputs beyond fp16's range
+    ubmoe_peft.set_stage(model, "router")  # zero routers: every token to the uni expert
+    ids, mask = batch()
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    with ubmoe_peft.use_mode(model, "uni"):
+        expected = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    assert torch.equal(loss, expected) and not expected.isnan()
+    with ubmoe_peft.use_mode(model, "bi"):
+        assert model(input_ids=ids, attention_mask=mask).logits.isnan().all()  # the bi expert overflows
+    loss.backward()
+    assert all(bool(layer.ubmoe_router["default"].weight.grad.isfinite().all()) for layer in layers(model))
+
+
 # ---- stages and training ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expert", EXPERTS)
 @pytest.mark.parametrize("stage", ["contrastive", "router"])

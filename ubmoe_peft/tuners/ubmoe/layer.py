@@ -379,7 +379,10 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         uni = self._uni_expert(x)  # (B, T, C)
         bi = self._bi_expert(adapter, x).to(uni.dtype)  # (B, T, C)
         chosen = torch.where(to_bi, bi, uni)  # (B, T, C)
-        return chosen + ((p_bi - p_bi.detach()) * (bi - uni)).to(chosen.dtype)  # (B, T, C), value: chosen
+        # The term's gradient reaches the router only (through the experts it is (p - sg(p)) * g = 0), hence the
+        # detach; an expert's non-finite output where it was not chosen (fp16 overflow) made its value 0 * inf = NaN.
+        diff = torch.nan_to_num((bi - uni).detach(), nan=0.0, posinf=0.0, neginf=0.0)  # (B, T, C)
+        return chosen + ((p_bi - p_bi.detach()) * diff).to(chosen.dtype)  # (B, T, C), value: chosen
 
     def _merges(self, adapter: str, rows: int) -> bool:
         """Whether the LoRA expert of ``adapter`` on ``rows`` tokens at once runs on merged weights: at inference, on
