@@ -89,6 +89,21 @@ def test_multiple_choice_picks_the_likeliest_continuation(model, tokenizer):
     assert multiple_choice_accuracy(model, tokenizer, [rows[best_norm]], mode="uni")["accuracy_norm"] == 100
 
 
+def test_non_finite_outputs_are_named_not_scored(model, tokenizer):
+    """NaN scores made max() pick choice 0 (25% on a broken model, above the working one); a loss past ~709 raised
+    OverflowError in math.exp instead of giving an infinite perplexity."""
+    row = {"question": w(5, 6), "choices": [w(7), w(8)], "label": 0}
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.fill_(float("nan"))
+    with pytest.raises(ValueError, match=r"Row 0: the log-likelihood of choice 0 is NaN, so the model's outputs"):
+        multiple_choice_accuracy(model, tokenizer, [row])
+    with torch.no_grad():
+        head.normal_(0, 1).mul_(1e4)  # confident and wrong: a loss in the thousands
+    result = lm_loss(model, tokenizer, [w(*range(5, 25))], mode="uni")
+    assert result["loss"] > 710 and result["perplexity"] == math.inf
+
+
 def test_multiple_choice_refuses_choices_it_cannot_score(model, tokenizer):
     row = {"question": w(5, 6), "choices": [w(7), w(8)], "label": 0}
     for bad in ["", None, "  "]:

@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -275,6 +276,9 @@ def _check_mode(model: nn.Module, mode: str | None) -> None:
     check_scoring_mode(mode or (get_mode(model) if ubmoe_layers(model) else None))
 
 
+_EXP_LIMIT = math.log(sys.float_info.max)  # about 709.78
+
+
 def lm_loss(
     model: nn.Module,
     tokenizer: Any,
@@ -313,7 +317,8 @@ def lm_loss(
     if tokens == 0:
         raise ValueError("No token to score: every example is empty after its context.")
     loss = -sum(lp for lp, _ in scored) / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}
+    perplexity = math.exp(loss) if loss < _EXP_LIMIT else math.inf  # math.exp raised OverflowError past ~709.8
+    return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
 
 def multiple_choice_accuracy(
@@ -370,6 +375,12 @@ def multiple_choice_accuracy(
                 f"max_length={max_length} cuts it); its log-likelihood 0 would always win. Raise max_length."
             )
         sums = [scored[first + k][0] for k in range(count)]
+        broken = [k for k, s in enumerate(sums) if math.isnan(s)]
+        if broken:  # max() over NaN scores picked choice 0, an accuracy of chance or better for a broken model
+            raise ValueError(
+                f"Row {row}: the log-likelihood of choice {broken[0]} is NaN, so the model's outputs are not finite "
+                f"(mode {mode or 'as set'}): a diverged or damaged adapter, or an overflow in float16."
+            )
         norms = [s / lengths[first + k] for k, s in enumerate(sums)]
         right += max(range(count), key=sums.__getitem__) == label
         right_norm += max(range(count), key=norms.__getitem__) == label
