@@ -106,6 +106,16 @@ def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
         attention_dependence(model, tokenizer, [None])
 
 
+def test_a_text_of_no_tokens_is_named(model, tokenizer):
+    """A text the tokenizer's normalizer empties (control characters) is not blank, yet has no token: 0/0 made every
+    average NaN."""
+    from tokenizers import normalizers
+
+    tokenizer.backend_tokenizer.normalizer = normalizers.Replace("\x01", "")
+    with pytest.raises(ValueError, match=r"texts\[1\] \('\\x01\\x01'\) tokenizes to no tokens"):
+        attention_dependence(model, tokenizer, [w(5, 6, 7), "\x01\x01"])
+
+
 def test_dependence_is_measured_without_dropout_in_a_model_being_trained(tokenizer):
     """Right after training the model is in train mode: attention and LoRA dropout made the measurement random (the
     three shares no longer summed to 100)."""

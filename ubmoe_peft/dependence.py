@@ -82,6 +82,12 @@ def attention_dependence(
         for start in range(0, len(texts), batch_size):
             chunk = list(texts[start : start + batch_size])
             batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
+            empty = [i for i, n in enumerate(batch["attention_mask"].sum(dim=1).tolist()) if n == 0]
+            if empty:  # its 0/0 made every average NaN
+                raise ValueError(
+                    f"texts[{start + empty[0]}] ({chunk[empty[0]]!r}) tokenizes to no tokens, so it has no attention "
+                    "to read; drop it."
+                )
             batch = {k: v.to(device) for k, v in batch.items()}
             # mode and eager attention per forward, under the model's forward lock: other threads' forwards (a
             # generation) run before or after it in their own mode and attention
