@@ -91,6 +91,21 @@ def test_fresh_moe_equals_base(arch, expert, top_k):
     assert torch.equal(model.generate(**kwargs), reference.generate(**kwargs))
 
 
+@pytest.mark.parametrize("router_dtype", ["float16", "bfloat16"])
+def test_fresh_top2_moe_equals_a_half_precision_base_with_a_router_in_half_precision(router_dtype):
+    """The two-expert mixture 0.5 * u + 0.5 * u was computed in the router's dtype: in float16 it lost the low bits of
+    small outputs (subnormal halves), and a fresh model was not the base model."""
+    base = tiny_model("qwen2").to(torch.float16).eval()
+    reference = copy.deepcopy(base)
+    model = get_peft_model(base, UBMoEConfig(top_k=2, router_dtype=router_dtype)).eval()
+    layer = layers(model)[0]
+    h = torch.randn(2, 7, 32, dtype=torch.float16) * 1e-3  # outputs where fp16's halves are subnormal
+    with torch.no_grad():
+        assert torch.equal(layer(h), layer.base_layer(h))
+    ids, mask = batch(padding="left")
+    assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
+
+
 # ---- bidirectional attention --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("arch", "attn"), ARCH_ATTNS)
 @pytest.mark.parametrize("mode", MODES)

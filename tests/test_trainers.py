@@ -518,9 +518,10 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         (dict(max_length=0), "max_length=0 must be a positive number of tokens"),
         (dict(max_length=1), "max_length=1 must be at least 2 tokens"),
         (dict(max_length=None), r"max_length=None must be .*no 'no limit' value \(RouterConfig's None\)"),
-        (dict(scale=-1.0), r"scale=-1.0 must be a positive number, the loss's inverse temperature"),
-        (dict(scale=None), r"scale=None must be a positive number"),  # a raw TypeError from a comparison before
-        (dict(scale=float("nan")), r"scale=nan must be a positive number"),
+        (dict(scale=-1.0), r"scale=-1.0 must be a positive, finite number, the loss's inverse temperature"),
+        (dict(scale=None), r"scale=None must be a positive"),  # a raw TypeError from a comparison before
+        (dict(scale=float("nan")), r"scale=nan must be a positive"),
+        (dict(scale=float("inf")), r"scale=inf must be a positive, finite number"),  # trained on NaN losses
         (dict(attention_dropout=1.0), r"attention_dropout=1.0 must be a probability in \[0, 1\)"),
     ],
 )

@@ -287,8 +287,10 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
             raise ValueError(
                 f"attention_dropout={dropout!r} must be a probability in [0, 1) (SimCSE's is 0.1), or None."
             )
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0:
-            raise ValueError(f"scale={self.scale!r} must be a positive number, the loss's inverse temperature (as 20)")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf:
+            raise ValueError(
+                f"scale={self.scale!r} must be a positive, finite number, the loss's inverse temperature (as 20)"
+            )
         if self.neftune_noise_alpha is not None:  # transformers' NEFTune needs the LM's get_input_embeddings
             raise ValueError(
                 f"neftune_noise_alpha={self.neftune_noise_alpha} (NEFTune) is not supported in stage 1: "

@@ -312,7 +312,9 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
     def _moe(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         logits = self.router_logits(adapter, x)  # (B, T, 2)
         if self.top_k[adapter] == 2:
-            probs = logits.softmax(dim=-1)  # (B, T, 2)
+            # Weights and mixture in fp32 at least: with a float16 router, 0.5 * u + 0.5 * u lost u's low bits, so a
+            # fresh model was not the base model
+            probs = logits.softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (B, T, 2)
             self._state.record(self.layer_idx, probs[..., 1].detach())
             uni = self._uni_expert(x)  # (B, T, C)
             bi = self._bi_expert(adapter, x)  # (B, T, C)
