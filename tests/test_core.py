@@ -106,6 +106,19 @@ def test_fresh_top2_moe_equals_a_half_precision_base_with_a_router_in_half_preci
     assert torch.equal(logits(model, ids, mask), logits(reference, ids, mask))
 
 
+@pytest.mark.parametrize("expert", EXPERTS)
+def test_a_layer_takes_token_rows_without_a_batch_dimension(expert):
+    """Decode-sized inputs are routed on the host, which read the logits as (B, T, 2): an (N, C) input of at most 64
+    rows failed with a TypeError (larger ones worked)."""
+    model, _ = wrap("llama", expert)
+    perturb_adapters(model, std=0.3)
+    layer = layers(model)[0]
+    for rows in (8, 100):
+        x = torch.randn(rows, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), layer(x[None])[0], rtol=0, atol=0)
+
+
 # ---- bidirectional attention --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("arch", "attn"), ARCH_ATTNS)
 @pytest.mark.parametrize("mode", MODES)

@@ -129,7 +129,7 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
     weight = router._parameters["weight"]  # (2, C)
     logits = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight)  # (B, T, 2)
     state.record(layer.layer_idx, logits)
-    picks = [bi > uni for row in logits.tolist() for uni, bi in row]  # strict: ties go to uni
+    picks = [bi > uni for uni, bi in logits.reshape(-1, 2).tolist()]  # strict: ties go to uni; any input rank
     n_bi = sum(picks)
     flat = x.view(-1, x.shape[-1])  # (N, C)
     if n_bi == 0:

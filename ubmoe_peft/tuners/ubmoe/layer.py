@@ -329,7 +329,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             # Decode sizes: one copy of the 2N logits to the host and a comparison in Python replace the compare, sum
             # and sync kernels. After a layer's weights have streamed through the caches every small kernel costs
             # ~20 us on CPU, more than the work it does (docs/performance.md). Same strict rule: ties go to uni.
-            picks = [bi > uni for row in logits.tolist() for uni, bi in row]
+            picks = [bi > uni for uni, bi in logits.reshape(-1, 2).tolist()]  # (N,): inputs of any rank
             n_bi = sum(picks)
         else:
             to_bi = logits[..., 1] > logits[..., 0]  # (B, T), strict: ties go to the uni expert
