@@ -49,6 +49,7 @@ def tiny(
     intermediate: int = 64,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    kv_heads: int = 2,
 ) -> torch.nn.Module:
     config_cls, model_cls = ARCHS[arch]
     config = config_cls(
@@ -56,7 +57,7 @@ def tiny(
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         vocab_size=VOCAB,
         attn_implementation=attn,
     )
@@ -264,6 +265,8 @@ FOREIGN = {
     "layer count": (dict(layers=3), ["num_layers=2", "num_layers=3"]),
     "architecture": (dict(arch="qwen2"), ["model_type='llama'", "model_type='qwen2'"]),
     "FFN size": (dict(intermediate=48), ["intermediate_size=64", "intermediate_size=48"]),  # Llama-2-7B vs 3-8B
+    # an FFN adapter fits such a base shape for shape: it loaded silently
+    "key-value heads": (dict(kv_heads=1), ["num_key_value_heads=2", "num_key_value_heads=1"]),
 }
 
 
@@ -1049,6 +1052,7 @@ def test_saved_config_is_complete_and_readable(saved):
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["peft_type"] == "UBMOE"
     signature = {"hidden_size": 32, "intermediate_size": 64, "model_type": "llama", "num_layers": 2}
+    signature.update(num_attention_heads=4, num_key_value_heads=2)
     assert config["base_model_signature"] == signature
     loaded = peft.PeftModel.from_pretrained(tiny(), folder)
     assert torch.allclose(logits(loaded, torch.arange(10).view(1, 10)), expected, atol=1e-6)

@@ -49,8 +49,9 @@ def matches_target(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | Non
 
 
 def base_signature(model: nn.Module) -> dict[str, Any]:
-    """What an adapter must match in its base: architecture, hidden and FFN sizes and number of decoder layers.
-    (Llama-2-7B and Llama-3-8B share the other three; the FFN size tells them apart.)"""
+    """What an adapter must match in its base: architecture, hidden and FFN sizes, number of decoder layers, and the
+    attention's query and key-value head counts. (Llama-2-7B and Llama-3-8B share the first sizes; the FFN size tells
+    them apart. An FFN adapter fits a base of other head counts shape for shape: only the signature tells.)"""
     config = text_config(model)
     ffn_size = getattr(config, "intermediate_size", None)
     return {
@@ -58,6 +59,8 @@ def base_signature(model: nn.Module) -> dict[str, Any]:
         "hidden_size": getattr(config, "hidden_size", None),
         "intermediate_size": list(ffn_size) if isinstance(ffn_size, tuple) else ffn_size,  # as JSON reads it back
         "num_layers": len(decoder_layers(model)),
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
     }
 
 
