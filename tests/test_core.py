@@ -1061,6 +1061,17 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
 
 
 # ---- multiple adapters --------------------------------------------------------------------------------------------
+def test_adapter_names_that_are_module_names(tmp_path):
+    """An adapter named "mlp": its ModuleDict entries ("...mlp.ubmoe_lora_A.mlp") were taken for FFNs by every later
+    adapter with the default targets, which then failed as "a single linear layer"."""
+    get_peft_model(tiny_model("llama"), UBMoEConfig()).save_pretrained(tmp_path)
+    model = PeftModel.from_pretrained(tiny_model("llama"), tmp_path, adapter_name="mlp")
+    model.load_adapter(tmp_path, adapter_name="second")
+    assert all(set(layer.ubmoe_router) == {"mlp", "second"} for layer in layers(model))
+    with pytest.raises(ValueError, match=r"Adapter name 'lm_head' ends with the modules_to_save entry 'lm_head'"):
+        model.add_adapter("lm_head", UBMoEConfig(modules_to_save=["lm_head"]))
+
+
 def test_several_active_adapters_are_refused():
     """PEFT's set_adapter([...]) on adapters of other layers ran each on its layers, a silent mix (the per-layer
     check caught only adapters sharing a layer)."""
@@ -1072,6 +1083,8 @@ def test_several_active_adapters_are_refused():
     assert model.active_adapters == ["default"]
     model.base_model.set_adapter(["two"])
     assert model.active_adapters == ["two"]
+    with pytest.raises(NotImplementedError, match=r"UBMoE adapters cannot be combined by weights"):
+        model.add_weighted_adapter(["default", "two"], [0.5, 0.5], "mix")  # a bare AttributeError before
 
 
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():

@@ -367,7 +367,7 @@ def to_sentence_transformer(
     max_length: int = 512,
     mode: str = "bi",
 ) -> SentenceTransformer:
-    """A SentenceTransformer sharing ``model``'s parameters that always embeds in mode ``"bi"``.
+    """A SentenceTransformer sharing ``model``'s parameters that always embeds in ``mode`` (``"bi"``, the default).
 
     ``prompt`` is prepended, or, when it contains ``{text}``, the text is put in its place (the paper's
     ``'The representative word for sentence {text} is:"'``). ``pooling`` is any sentence-transformers pooling mode

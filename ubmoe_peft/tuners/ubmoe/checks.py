@@ -38,6 +38,8 @@ def in_decoder(model: nn.Module) -> tuple[str, ...]:
 def matches_target(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | None = None) -> bool:
     if decoder is not None and not key.startswith(decoder):
         return False
+    if any(part in _CONTAINERS for part in key.split(".")):  # a UBMoE layer's own modules, keyed by adapter names:
+        return False  # an adapter named "mlp" made its ModuleDict entries look like FFNs to every later adapter
     targets = config.target_modules
     if isinstance(targets, str):
         hit = re.fullmatch(targets, key) is not None
@@ -348,6 +350,13 @@ def _check_modules_to_save(
     """
     if not config.modules_to_save:
         return
+    named_after = [entry for entry in config.modules_to_save if adapter_name.endswith(entry)]
+    if named_after:  # the adapter's own modules end with its name: PEFT would wrap them too
+        raise ValueError(
+            f"Adapter name {adapter_name!r} ends with the modules_to_save entry {named_after[0]!r}, and PEFT matches "
+            "modules_to_save against the end of module names: the adapter's own modules, named after it, would be "
+            "wrapped as well. Give the adapter another name."
+        )
     modules = list(model.named_modules(remove_duplicate=False))
     names = [n for n, _ in modules if n]
     for name, module in targets.items():  # what this adapter adds to the wrapped FFNs

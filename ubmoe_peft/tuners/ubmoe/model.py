@@ -167,6 +167,15 @@ class UBMoEModel(BaseTuner):
         # config.router_dtype. PEFT's blanket fp32 upcast would break a bf16 copy expert's forward.
         return None
 
+    def add_weighted_adapter(self, adapters: Any, weights: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """Not supported (it failed with a bare AttributeError): PEFT's LoRA combines adapters' low-rank updates, but
+        a mixture of UBMoE adapters has no such form, since each router was trained for its own bi expert."""
+        raise NotImplementedError(
+            f"add_weighted_adapter({adapters!r}, ...): UBMoE adapters cannot be combined by weights, since each router "
+            "was trained to choose between the FFN and its own bi expert. Switch between them with "
+            "model.set_adapter(name), or train one adapter on the combined data."
+        )
+
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
         if len(names) != 1:  # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix
