@@ -555,11 +555,13 @@ def test_a_second_adapters_copy_of_the_attention_shares_the_live_tuners_hooks(tm
     model.load_adapter(tmp_path / "b", adapter_name="second")
     model.set_adapter("second")
     model.eval()
-    copy = model.base_model.model.model.layers[0].self_attn.modules_to_save["second"]
-    assert {h.__self__ for h in copy._forward_pre_hooks.values()} == {model.base_model}  # the live tuner, no copy
+    trained_copy = model.base_model.model.model.layers[0].self_attn.modules_to_save["second"]
+    assert {h.__self__ for h in trained_copy._forward_pre_hooks.values()} == {model.base_model}  # the live tuner
     for mode in ("moe", "bi"):
         ubmoe_peft.set_mode(model, mode)
         torch.testing.assert_close(logits(model, ids), expected[mode], rtol=0, atol=0)
+    twin = copy.deepcopy(model)  # a copy of the whole model still gets hooks of its own
+    assert {h.__self__ for m in twin.modules() for h in m._forward_pre_hooks.values()} == {twin.base_model}
     plain = model.base_model.unload()
     hooks = [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     assert not hooks  # none left on the copies either

@@ -65,9 +65,10 @@ def _drop_saved_copy_duplicates(state_dict: dict, adapter_name: str) -> dict:
 
 
 class _TunerHook:
-    """A forward hook of the tuner's on a base module, which deep copies of that module share. PEFT's modules_to_save
-    deep-copies a module with its hooks: a bound method took a copy of the whole tuner (and of the model) along,
-    and the trained copy then checked masks against that copy's frozen mode."""
+    """A forward hook of the tuner's on a base module, which a deep copy of that module alone shares. PEFT's
+    modules_to_save deep-copies a module with its hooks: a bound method took a copy of the whole tuner (and of the
+    model) along, and the trained copy then checked masks against that copy's frozen mode. A deep copy of the
+    model (or of the PeftModel) still gets hooks of its own, bound to its copy of the tuner."""
 
     def __init__(self, method: Callable[..., Any]) -> None:
         self.method = method
@@ -77,7 +78,10 @@ class _TunerHook:
         return self.method(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> _TunerHook:
-        return self
+        tuner = self.__self__
+        if id(tuner) not in memo and id(tuner.model) not in memo:  # one module copied alone
+            return self
+        return _TunerHook(copy.deepcopy(self.method, memo))  # the copy's tuner, made in the same deep copy
 
 
 class UBMoEModel(BaseTuner):
