@@ -110,10 +110,10 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
     # transformers' default output folder, where a second run overwrote it)
     model_options = f"--model {files['model']} --device cpu"
     assert hint == [
-        f"ubmoe train-router {model_options} --adapter {stage1} --data CHATS --output_dir {stage2} (CHATS: your chat "
-        "data, a file or hub dataset id)"
+        f"ubmoe train-router {model_options} --adapter {stage1} --data CHATS --output_dir {stage2}  # CHATS: your "
+        "chat data, a file or hub dataset id"
     ]
-    command = shlex.split(hint[0].split(" (CHATS")[0].replace("CHATS", files["texts"]))
+    command = shlex.split(hint[0].replace("CHATS", files["texts"]), comments=True)  # as a shell reads it pasted
     run([*command[1:]]
         + ["--max_steps", "2", "--per_device_train_batch_size", "4", "--max_length", "32", *FAST])  # fmt: skip
     hint = [line.split("Next: ")[1] for line in capsys.readouterr().out.splitlines() if "Next: " in line]
@@ -614,7 +614,7 @@ def test_the_next_command_keeps_the_model_options():
     saved = SimpleNamespace(output_dir="out dir")
     expected = "ubmoe train-router --adapter 'out dir' --output_dir 'out dir-router'"
     assert _next(ModelArgs(), "train-router", saved) == expected
-    mine = "ubmoe train-router --adapter 'out dir' --data CHATS --output_dir 'out dir-router' (CHATS: your chat data"
+    mine = "ubmoe train-router --adapter 'out dir' --data CHATS --output_dir 'out dir-router'  # CHATS: your chat data"
     assert _next(ModelArgs(), "train-router", saved, own_data=True).startswith(mine)  # not the demo chats unasked
     given = ModelArgs(model="/models/q", gguf_file="q4.gguf", dtype="bfloat16", device="cpu")
     expected = "ubmoe export --model /models/q --gguf_file q4.gguf --dtype bfloat16 --device cpu --adapter 'out dir'"

@@ -1054,8 +1054,9 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
     get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "lora")
     base = tiny_model("llama")
     model = get_peft_model(base, UBMoEConfig())
-    with pytest.raises(ValueError, match=r"is a LORA adapter, but the model passed holds UBMoE layers.*unload\(\)"):
-        PeftModel.from_pretrained(base, tmp_path / "lora")
+    for config in (None, LoraConfig(r=4, target_modules=["q_proj"])):  # the folder's type, or config='s
+        with pytest.raises(ValueError, match=r"is a LORA adapter, but the model passed holds UBMoE layers.*unload"):
+            PeftModel.from_pretrained(base, tmp_path / "lora", config=config)
     assert layers(model) and not any(isinstance(m, LoraLayer) for m in base.modules())
     assert layers(PeftModel.from_pretrained(model.unload(), tmp_path / "lora")) == []  # the named fix
 
@@ -1077,14 +1078,17 @@ def test_several_active_adapters_are_refused():
     check caught only adapters sharing a layer)."""
     model = get_peft_model(tiny_model("llama"), UBMoEConfig(layers_to_transform=[0]))
     model.add_adapter("two", UBMoEConfig(layers_to_transform=[1]))
-    for names in (["default", "two"], []):
-        with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time .*Pass one adapter name"):
-            model.base_model.set_adapter(names)
+    with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time .*Pass one adapter name"):
+        model.base_model.set_adapter(["default", "two"])
     assert model.active_adapters == ["default"]
     model.base_model.set_adapter(["two"])
     assert model.active_adapters == ["two"]
     with pytest.raises(NotImplementedError, match=r"UBMoE adapters cannot be combined by weights"):
         model.add_weighted_adapter(["default", "two"], [0.5, 0.5], "mix")  # a bare AttributeError before
+    model.delete_adapter("default")
+    model.delete_adapter("two")
+    model.add_adapter("three", UBMoEConfig())  # PEFT sets the active adapters, none by then: that is no mix
+    assert layers(model) and all(set(layer.ubmoe_router) == {"three"} for layer in layers(model))
 
 
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():

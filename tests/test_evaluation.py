@@ -102,6 +102,9 @@ def test_non_finite_outputs_are_named_not_scored(model, tokenizer):
         head.normal_(0, 1).mul_(1e4)  # confident and wrong: a loss in the thousands
     result = lm_loss(model, tokenizer, [w(*range(5, 25))], mode="uni")
     assert result["loss"] > 710 and result["perplexity"] == math.inf
+    with torch.no_grad():
+        head.fill_(float("nan"))
+    assert math.isnan(lm_loss(model, tokenizer, [w(5, 6, 7)], mode="uni")["perplexity"])  # not inf
 
 
 def test_multiple_choice_refuses_choices_it_cannot_score(model, tokenizer):

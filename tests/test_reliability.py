@@ -562,6 +562,8 @@ def test_a_second_adapters_copy_of_the_attention_shares_the_live_tuners_hooks(tm
         torch.testing.assert_close(logits(model, ids), expected[mode], rtol=0, atol=0)
     twin = copy.deepcopy(model)  # a copy of the whole model still gets hooks of its own
     assert {h.__self__ for m in twin.modules() for h in m._forward_pre_hooks.values()} == {twin.base_model}
+    inner = copy.deepcopy(model.get_base_model())  # and so does a copy of the wrapped base alone
+    assert {h.__self__.model for m in inner.modules() for h in m._forward_pre_hooks.values()} == {inner}
     plain = model.base_model.unload()
     hooks = [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     assert not hooks  # none left on the copies either

@@ -515,7 +515,7 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         (dict(prompt="{text} and {text}"), "more than one"),
         (dict(prompt="Sentence {sentence} means"), "placeholder '{sentence}'; the text's placeholder is '{text}'"),
         (dict(prompt="Sentence {} means"), "placeholder '{}'"),
-        (dict(max_length=0), "max_length=0 must be a positive number of tokens"),
+        (dict(max_length=0), "max_length=0 must be at least 2 tokens"),
         (dict(max_length=1), "max_length=1 must be at least 2 tokens"),
         (dict(max_length=None), r"max_length=None must be .*no 'no limit' value \(RouterConfig's None\)"),
         (dict(scale=-1.0), r"scale=-1.0 must be a positive, finite number, the loss's inverse temperature"),

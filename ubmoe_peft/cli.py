@@ -629,7 +629,7 @@ def _next(model_args: ModelArgs, command: str, config: Any, own_data: bool = Fal
     output = beside.with_name(beside.name + {"train-router": "-router", "export": "-moe"}[command])
     data = " --data CHATS" if own_data and command == "train-router" else ""
     line = f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{data} --output_dir {shlex.quote(str(output))}"
-    return line + (" (CHATS: your chat data, a file or hub dataset id)" if data else "")
+    return line + ("  # CHATS: your chat data, a file or hub dataset id" if data else "")
 
 
 def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str:

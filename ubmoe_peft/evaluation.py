@@ -317,7 +317,7 @@ def lm_loss(
     if tokens == 0:
         raise ValueError("No token to score: every example is empty after its context.")
     loss = -sum(lp for lp, _ in scored) / tokens
-    perplexity = math.exp(loss) if loss < _EXP_LIMIT else math.inf  # math.exp raised OverflowError past ~709.8
+    perplexity = math.inf if loss >= _EXP_LIMIT else math.exp(loss)  # math.exp raised OverflowError past ~709.8
     return {"loss": loss, "perplexity": perplexity, "tokens": tokens}
 
 

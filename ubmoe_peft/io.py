@@ -476,9 +476,9 @@ def _wrap_from_pretrained(original: Any) -> Any:
         from .tuners.ubmoe.model import UBMoEModel
 
         plain = not any(isinstance(m, UBMoELayer) for m in model.modules())
-        if not plain and folder is not None and os.path.isfile(os.path.join(folder, CONFIG_NAME)):
-            kind = read_json_config(os.path.join(folder, CONFIG_NAME)).get("peft_type")
-            if kind != UBMOE_TYPE:  # PEFT only warned, then ran its layers beside the UBMoE ones, which kept routing
+        if not plain:
+            kind = _peft_type(model_id, config, kwargs)
+            if kind not in (None, UBMOE_TYPE):  # PEFT only warned, then ran its layers beside the routing UBMoE ones
                 raise ValueError(
                     f"{model_id!r} is a {kind} adapter, but the model passed holds UBMoE layers (get_peft_model and "
                     "PeftModel.from_pretrained change their base in place). Load it onto a fresh base model, or get "
@@ -508,6 +508,20 @@ def _wrap_from_pretrained(original: Any) -> Any:
     wrapped = classmethod(from_pretrained)
     wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return wrapped
+
+
+def _peft_type(model_id: Any, config: Any, kwargs: dict) -> str | None:
+    """The PEFT method of the adapter that ``PeftModel.from_pretrained(model, model_id, config=config, **kwargs)``
+    loads (a local folder or a hub id, read as PEFT reads it); None where it cannot be read, for PEFT to report."""
+    from peft.config import PeftConfig
+
+    if config is not None:
+        return str(getattr(config.peft_type, "value", config.peft_type))
+    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if kwargs.get(k) is not None}
+    try:
+        return str(PeftConfig._get_peft_type(model_id, **hub))
+    except Exception:  # noqa: BLE001 - a missing or unreadable config: PEFT's own load names it
+        return None
 
 
 def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:

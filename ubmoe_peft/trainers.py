@@ -106,9 +106,10 @@ def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:
     if names:
         raise ValueError(
             f"{trainer} would train {len(names)} float16 parameters (e.g. {names[0]}), whose optimizer updates "
-            "underflow to NaN. Load the base in bfloat16 or float32 (with fp16=True in the training arguments for "
-            "float16 mixed precision), or keep float16 weights out of training: UBMoEConfig(expert_type='lora') (fp32 "
-            "adapters) and router_dtype='float32'."
+            "underflow to NaN. Load the base in bfloat16 or float32 (from_pretrained(..., dtype=...), the command "
+            "line's --dtype; fp16=True in the training arguments then gives float16 mixed precision), or keep float16 "
+            "weights out of training: UBMoEConfig(expert_type='lora') (fp32 adapters), router_dtype='float32', and no "
+            "modules_to_save (full float16 copies)."
         )
 
 
@@ -275,9 +276,9 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
 
         check_prompt(self.prompt)
         check_pooling(self.pooling)  # before a model loads (the command line)
-        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 1:
+        if isinstance(self.max_length, bool) or not isinstance(self.max_length, int) or self.max_length < 2:
             raise ValueError(
-                f"max_length={self.max_length!r} must be a positive number of tokens (e.g. 128): stage 1 embeds texts "
+                f"max_length={self.max_length!r} must be at least 2 tokens (e.g. 128): stage 1 embeds texts "
                 "truncated to it, so it has no 'no limit' value (RouterConfig's None)."
             )
         dropout = self.attention_dropout

@@ -182,7 +182,8 @@ class UBMoEModel(BaseTuner):
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
-        if len(names) != 1:  # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix
+        if len(names) > 1:  # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix
+            # (none is PEFT's own call once every adapter was deleted)
             raise ValueError(
                 f"set_adapter({adapter_name!r}): UBMoE runs one adapter at a time (each layer routes between its FFN "
                 "and one adapter's bidirectional expert). Pass one adapter name."
@@ -223,11 +224,15 @@ class UBMoEModel(BaseTuner):
         # Where PEFT assigns the loaded tensors instead of copying them into the parameters (low_cpu_mem_usage): each
         # in its parameter's dtype (a bf16 file kept the routers bf16, a copy expert of another dtype failed in its
         # first forward), and B in its fast layout.
-        state = model.state_dict()
+        # parameters and buffers by name, not state_dict(), which would serialize every 4-bit quant_state once more
+        own = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
 
         def fitted(key: str, value: torch.Tensor) -> torch.Tensor:
-            if key in state and value.is_floating_point():
-                value = value.to(state[key].dtype)
+            if key in own and value.is_floating_point():
+                value = value.to(own[key].dtype)
             return column_major(value) if _LORA_B.search(key) else value
 
         return {key: fitted(key, value) for key, value in remapped.items()}
