@@ -1057,6 +1057,8 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
     for config in (None, LoraConfig(r=4, target_modules=["q_proj"])):  # the folder's type, or config='s
         with pytest.raises(ValueError, match=r"is a LORA adapter, but the model passed holds UBMoE layers.*unload"):
             PeftModel.from_pretrained(base, tmp_path / "lora", config=config)
+    with pytest.raises(ValueError, match="The input config must be a PeftConfig"):  # PEFT's own error, as on a plain base
+        PeftModel.from_pretrained(base, tmp_path / "lora", config={"peft_type": "LORA"})
     assert layers(model) and not any(isinstance(m, LoraLayer) for m in base.modules())
     assert layers(PeftModel.from_pretrained(model.unload(), tmp_path / "lora")) == []  # the named fix
 
@@ -1078,8 +1080,9 @@ def test_several_active_adapters_are_refused():
     check caught only adapters sharing a layer)."""
     model = get_peft_model(tiny_model("llama"), UBMoEConfig(layers_to_transform=[0]))
     model.add_adapter("two", UBMoEConfig(layers_to_transform=[1]))
-    with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time .*Pass one adapter name"):
-        model.base_model.set_adapter(["default", "two"])
+    for names in (["default", "two"], []):  # [] ran the base's FFNs under the mode's attention
+        with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time .*Pass one adapter name"):
+            model.base_model.set_adapter(names)
     assert model.active_adapters == ["default"]
     model.base_model.set_adapter(["two"])
     assert model.active_adapters == ["two"]

@@ -564,6 +564,13 @@ def test_a_second_adapters_copy_of_the_attention_shares_the_live_tuners_hooks(tm
     assert {h.__self__ for m in twin.modules() for h in m._forward_pre_hooks.values()} == {twin.base_model}
     inner = copy.deepcopy(model.get_base_model())  # and so does a copy of the wrapped base alone
     assert {h.__self__.model for m in inner.modules() for h in m._forward_pre_hooks.values()} == {inner}
+    backbone = model.get_base_model().model  # and a copy of the decoder alone (its layers and mode state with it)
+    ubmoe_peft.set_mode(model, "moe")
+    with torch.no_grad():
+        expected = backbone(input_ids=ids).last_hidden_state
+        twin_backbone = copy.deepcopy(backbone)
+        ubmoe_peft.set_mode(model, "bi")  # the original's mode, not the copy's
+        torch.testing.assert_close(twin_backbone(input_ids=ids).last_hidden_state, expected, rtol=0, atol=0)
     plain = model.base_model.unload()
     hooks = [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     assert not hooks  # none left on the copies either

@@ -610,14 +610,16 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
         trainer.train(resume_from_checkpoint=resume)
         model.save_pretrained(config.output_dir)
     following = _next(model_args, "train-router", config, own_data=data.data is not None)
-    print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {following}")
+    label = "Next (CHATS: your chat data, a file or hub dataset id)" if data.data is not None else "Next"
+    print(f"Saved the UBMoE adapter to {config.output_dir}. {label}: {following}")
     return config.output_dir
 
 
 def _next(model_args: ModelArgs, command: str, config: Any, own_data: bool = False) -> str:
     """The next command to run on the adapter just saved, with the base it was trained on and a new folder for its
     output (an adapter is never saved over another, and an export needs a folder). After a stage 1 on the user's own
-    data (``own_data``), stage 2 gets a ``--data CHATS`` to fill in: without --data it trains on the demo chats."""
+    data (``own_data``), stage 2 gets a ``--data CHATS`` to fill in (explained before the command, not in a comment
+    after it, which zsh does not read as one): without --data it trains on the demo chats."""
     given = {
         name: getattr(model_args, name)
         for name in ("model", "gguf_file", "dtype", "device")
@@ -628,8 +630,7 @@ def _next(model_args: ModelArgs, command: str, config: Any, own_data: bool = Fal
     beside = saved if saved.name else saved.resolve()  # "." or "..": name the folder beside it by its real name
     output = beside.with_name(beside.name + {"train-router": "-router", "export": "-moe"}[command])
     data = " --data CHATS" if own_data and command == "train-router" else ""
-    line = f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{data} --output_dir {shlex.quote(str(output))}"
-    return line + ("  # CHATS: your chat data, a file or hub dataset id" if data else "")
+    return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{data} --output_dir {shlex.quote(str(output))}"
 
 
 def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str:

@@ -512,16 +512,16 @@ def _wrap_from_pretrained(original: Any) -> Any:
 
 def _peft_type(model_id: Any, config: Any, kwargs: dict) -> str | None:
     """The PEFT method of the adapter that ``PeftModel.from_pretrained(model, model_id, config=config, **kwargs)``
-    loads (a local folder or a hub id, read as PEFT reads it); None where it cannot be read, for PEFT to report."""
+    loads, read as PEFT reads it (the same call and arguments, so a missing config fails as PEFT's own load would);
+    None for a ``config`` that is not a PeftConfig, which PEFT refuses itself."""
     from peft.config import PeftConfig
 
     if config is not None:
-        return str(getattr(config.peft_type, "value", config.peft_type))
-    hub = {k: kwargs[k] for k in ("subfolder", "revision", "cache_dir", "token") if kwargs.get(k) is not None}
-    try:
-        return str(PeftConfig._get_peft_type(model_id, **hub))
-    except Exception:  # noqa: BLE001 - a missing or unreadable config: PEFT's own load names it
-        return None
+        return str(getattr(config.peft_type, "value", config.peft_type)) if isinstance(config, PeftConfig) else None
+    hub = {key: kwargs.get(key) for key in ("subfolder", "revision", "cache_dir", "token")}
+    if kwargs.get("use_auth_token"):
+        hub["use_auth_token"] = kwargs["use_auth_token"]
+    return str(PeftConfig._get_peft_type(model_id, **hub))
 
 
 def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -65,7 +65,7 @@ def _drop_saved_copy_duplicates(state_dict: dict, adapter_name: str) -> dict:
 
 
 class _TunerHook:
-    """A forward hook of the tuner's on a base module, which a deep copy of that module alone shares. PEFT's
+    """The tuner's mask check on an attention module, which a deep copy of that module alone shares. PEFT's
     modules_to_save deep-copies a module with its hooks: a bound method took a copy of the whole tuner (and of the
     model) along, and the trained copy then checked masks against that copy's frozen mode. A deep copy of the
     model (or of the PeftModel) still gets hooks of its own, bound to its copy of the tuner."""
@@ -182,8 +182,9 @@ class UBMoEModel(BaseTuner):
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
-        if len(names) > 1:  # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix
-            # (none is PEFT's own call once every adapter was deleted)
+        # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix. None is PEFT's own call
+        # once every adapter was deleted; with one still active it ran the base's FFNs under the mode's attention.
+        if len(names) > 1 or (not names and self.active_adapters):
             raise ValueError(
                 f"set_adapter({adapter_name!r}): UBMoE runs one adapter at a time (each layer routes between its FFN "
                 "and one adapter's bidirectional expert). Pass one adapter name."
@@ -240,9 +241,9 @@ class UBMoEModel(BaseTuner):
     # ---- forward hooks: attention per mode ----------------------------------------------------------------------
     def _install_forward_hooks(self) -> None:
         backbone = getattr(self.model, "base_model", self.model)
-        before, after = _TunerHook(self._before_backbone), _TunerHook(self._after_backbone)
-        self._ubmoe_hooks.append(backbone.register_forward_pre_hook(before, with_kwargs=True))
-        self._ubmoe_hooks.append(backbone.register_forward_hook(after, always_call=True))
+        # Bound methods: a deep copy of the backbone holds the layers, whose mode state it copies too
+        self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
+        self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
         layers = decoder_layers(self.model)
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
         # The first layer that has one: a hybrid's first layer may be a convolution or state-space block (LFM2, Bamba)
