@@ -1057,7 +1057,7 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
     for config in (None, LoraConfig(r=4, target_modules=["q_proj"])):  # the folder's type, or config='s
         with pytest.raises(ValueError, match=r"is a LORA adapter, but the model passed holds UBMoE layers.*unload"):
             PeftModel.from_pretrained(base, tmp_path / "lora", config=config)
-    with pytest.raises(ValueError, match="The input config must be a PeftConfig"):  # PEFT's own error, as on a plain base
+    with pytest.raises(ValueError, match="The input config must be a PeftConfig"):  # PEFT's own error
         PeftModel.from_pretrained(base, tmp_path / "lora", config={"peft_type": "LORA"})
     assert layers(model) and not any(isinstance(m, LoraLayer) for m in base.modules())
     assert layers(PeftModel.from_pretrained(model.unload(), tmp_path / "lora")) == []  # the named fix
