@@ -380,6 +380,24 @@ def test_a_refused_load_adapter_leaves_no_adapter_behind(tmp_path, case):
     assert sorted(loaded.peft_config) == ["default", "x"]
 
 
+def test_a_refused_load_onto_a_wrapped_base_leaves_no_hooks_behind(saved):
+    """The refused model's backbone hooks stayed on the base and outlived unload(): a model wrapped anew then had
+    its KV caches tagged by them, and generation outside mode moe failed."""
+    folder, _ = saved
+    _edit_weights(folder, _reshape_router)
+    base = tiny()
+    first = wrap(base)
+    with pytest.raises(AdapterMismatchError):
+        peft.PeftModel.from_pretrained(base, folder)
+    plain = first.base_model.unload()
+    assert not [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    again = wrap(plain)
+    ubmoe_peft.set_mode(again, "uni")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    expected = tiny().generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(again.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
+
+
 def _truncate(path: pathlib.Path) -> None:
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
 

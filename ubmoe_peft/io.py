@@ -488,9 +488,12 @@ def _wrap_from_pretrained(original: Any) -> Any:
         if plain:  # what a refused load must give back: PEFT freezes the base and adds hooks before the weights load
             hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()]
             trainable = [(p, p.requires_grad) for p in model.parameters()]
+        owners = _hook_owners(model, UBMoEModel)
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
+            for owner in _hook_owners(model, UBMoEModel) - owners:  # the refused model's: they tagged later caches
+                owner._remove_hooks()
             if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
                 UBMoEModel.undo_failed_load(model)
                 for module, forward, pre in hooks:
@@ -508,6 +511,16 @@ def _wrap_from_pretrained(original: Any) -> Any:
     wrapped = classmethod(from_pretrained)
     wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return wrapped
+
+
+def _hook_owners(model: Any, kind: type) -> set:
+    """The ``kind`` objects (tuners) whose methods are forward hooks on ``model``'s modules."""
+    return {
+        owner
+        for module in model.modules()
+        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+        if isinstance(owner := getattr(hook, "__self__", None), kind)
+    }
 
 
 def _peft_type(model_id: Any, config: Any, kwargs: dict) -> str | None:

@@ -252,14 +252,21 @@ class UBMoEModel(BaseTuner):
             check = _TunerHook(self._check_bidirectional)
             self._ubmoe_hooks.append(attention.register_forward_pre_hook(check, with_kwargs=True))
 
-    def _remove_hooks(self) -> None:
-        """Remove this tuner's forward hooks, also from the trained copies of hooked modules (modules_to_save)."""
+    def _remove_hooks(self, every_tuner: bool = False) -> None:
+        """Remove this tuner's forward hooks, also from the trained copies of hooked modules (modules_to_save); with
+        ``every_tuner`` (unload: no UBMoE layer is left for any) every UBMoE tuner's, such as those a refused load
+        onto this wrapped base left behind."""
+
+        def ours(hook: Any) -> bool:
+            owner = getattr(hook, "__self__", None)
+            return isinstance(owner, UBMoEModel) if every_tuner else isinstance(hook, _TunerHook) and owner is self
+
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()
         for module in self.model.modules():
             for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                for key in [k for k, h in hooks.items() if isinstance(h, _TunerHook) and h.__self__ is self]:
+                for key in [k for k, h in hooks.items() if ours(h)]:
                     del hooks[key]
                     for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
                         getattr(module, extra).pop(key, None)
@@ -505,7 +512,7 @@ class UBMoEModel(BaseTuner):
         None; the bare model. This model is spent: its modes, forward and `generate` refuse from now on (a
         SentenceTransformer made from it embedded silently with the base model)."""
         self._ubmoe_state.superseded = "unloaded"
-        self._remove_hooks()
+        self._remove_hooks(every_tuner=True)
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
                 module.remove_attention_hooks()
