@@ -492,8 +492,8 @@ def _wrap_from_pretrained(original: Any) -> Any:
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
-            for owner in _hook_owners(model, UBMoEModel) - owners:  # the refused model's: they tagged later caches
-                owner._remove_hooks()
+            for owner in _hook_owners(model, UBMoEModel) - owners if not plain else ():  # (a plain base: below)
+                owner._remove_hooks()  # the refused model's hooks on a wrapped base: they tagged later KV caches
             if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
                 UBMoEModel.undo_failed_load(model)
                 for module, forward, pre in hooks:
