@@ -488,11 +488,11 @@ def _wrap_from_pretrained(original: Any) -> Any:
         if plain:  # what a refused load must give back: PEFT freezes the base and adds hooks before the weights load
             hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()]
             trainable = [(p, p.requires_grad) for p in model.parameters()]
-        owners = _hook_owners(model, UBMoEModel)
+        owners = UBMoEModel.hook_owners(model)
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
-            for owner in _hook_owners(model, UBMoEModel) - owners if not plain else ():  # (a plain base: below)
+            for owner in UBMoEModel.hook_owners(model) - owners if not plain else ():  # (a plain base: below)
                 owner._remove_hooks()  # the refused model's hooks on a wrapped base: they tagged later KV caches
             if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
                 UBMoEModel.undo_failed_load(model)
@@ -511,16 +511,6 @@ def _wrap_from_pretrained(original: Any) -> Any:
     wrapped = classmethod(from_pretrained)
     wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return wrapped
-
-
-def _hook_owners(model: Any, kind: type) -> set:
-    """The ``kind`` objects (tuners) whose methods are forward hooks on ``model``'s modules."""
-    return {
-        owner
-        for module in model.modules()
-        for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-        if isinstance(owner := getattr(hook, "__self__", None), kind)
-    }
 
 
 def _peft_type(model_id: Any, config: Any, kwargs: dict) -> str | None:

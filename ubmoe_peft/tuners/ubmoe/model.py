@@ -497,14 +497,18 @@ class UBMoEModel(BaseTuner):
         saved files (their settings, integrity or shapes are checked as PEFT loads the weights, after the layers
         exist): the base was left holding UBMoE layers and hooks. Only a base that held no UBMoE layer before the
         call is restored (the caller checks)."""
-        owners = {
-            id(hook.__self__): hook.__self__
+        for owner in UBMoEModel.hook_owners(model):
+            owner._unwrap(lambda layer: layer.base_layer, original=True)
+
+    @staticmethod
+    def hook_owners(model: nn.Module) -> set[UBMoEModel]:
+        """The UBMoE tuners whose forward hooks sit on ``model``'s modules."""
+        return {
+            owner
             for module in model.modules()
             for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-            if isinstance(getattr(hook, "__self__", None), UBMoEModel)
+            if isinstance(owner := getattr(hook, "__self__", None), UBMoEModel)
         }
-        for owner in owners.values():
-            owner._unwrap(lambda layer: layer.base_layer, original=True)
 
     def _unwrap(self, replacement: Any, adapter: str | None = None, original: bool = False) -> nn.Module:
         """Remove the hooks and put ``replacement(layer)`` in place of every UBMoE layer, and the trained module in
