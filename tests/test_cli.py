@@ -438,6 +438,7 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["eval-sts", "--model", "smollm2", "--gguf_file", "q.gguf"], ValueError, "but --model is 'smollm2'"),
         (["eval-sts", "--data", "{sts}", "--model", "{bad}/m.gguf"], ValueError, "a GGUF file.*--gguf_file 'm.gguf'"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{bad}/ckpt"], ValueError, "stage-1 training checkpoint: its"),
+        (["eval-sts", "--data", "{sts}", "--adapter", "{bad}/named"], ValueError, "its .*ubmoe_adapter/emb'"),
         (["train-router", "--adapter", "a", "--dataset_text_field", "body"], ValueError, "'body' is not a column"),
         # checked before the model loads (after it, with a 30 s load on the real model)
         (["eval-sts", "--data", "missing.tsv", "--pooling", "maxx"], ValueError, "pooling='maxx' is not a pool"),
@@ -514,6 +515,8 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     (bad / "ckpt" / "ubmoe_adapter").mkdir(parents=True)  # a stage-1 (sentence-transformers) checkpoint
     (bad / "ckpt" / "config.json").write_text("{}")
     (bad / "ckpt" / "ubmoe_adapter" / "adapter_config.json").write_text("{}")
+    (bad / "named" / "ubmoe_adapter" / "emb").mkdir(parents=True)  # the same, of an adapter not named "default"
+    (bad / "named" / "ubmoe_adapter" / "emb" / "adapter_config.json").write_text("{}")
     lora = get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"]))
     lora.save_pretrained(bad / "lora")
     argv = [a.format(bad=bad, lora=bad / "lora", **files) for a in argv]

@@ -291,14 +291,21 @@ def test_a_resume_under_another_adapter_name(tokenizer, tmp_path, stage):
         assert torch.equal(param, params[name.replace(".emb.", ".default.")]), name
 
 
-def test_stage_2_refuses_to_resume_a_stage_1_checkpoint(tmp_path):
-    """It was told to resume under another adapter name ("holds adapters ['ubmoe_adapter']")."""
+@pytest.mark.parametrize("adapter", ["default", "emb"])
+def test_stage_2_refuses_to_resume_a_stage_1_checkpoint(tmp_path, adapter):
+    """It was told to resume under another adapter name ("holds adapters ['ubmoe_adapter']"); a stage-1 adapter
+    not named "default" (saved in a subfolder of its name) was said to hold no weights, with the same advice. A
+    checkpoint without weights is named so, not sent to another adapter name."""
     from ubmoe_peft.trainers import checkpoint_adapter
 
-    model = get_peft_model(tiny_model(), UBMoEConfig())
+    model = get_peft_model(tiny_model(), UBMoEConfig(), adapter_name=adapter)
     model.save_pretrained(tmp_path / "checkpoint-4" / "ubmoe_adapter")
     with pytest.raises(AdapterMismatchError, match="is a stage-1 .contrastive. checkpoint, which stage 2 cannot"):
         checkpoint_adapter(model, tmp_path / "checkpoint-4", "checkpoint-4")
+    model.save_pretrained(tmp_path / "checkpoint-6")
+    (tmp_path / "checkpoint-6" / ("" if adapter == "default" else adapter) / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterMismatchError, match=r"no adapter weights \(adapter_model.safetensors in .*damaged"):
+        checkpoint_adapter(model, tmp_path / "checkpoint-6", "checkpoint-6")
 
 
 def test_contrastive_trainer_loads_the_best_checkpoint_at_the_end(tokenizer, tmp_path):
@@ -364,11 +371,19 @@ def test_router_trainer_loads_the_best_checkpoint_of_the_adapter_it_trains(token
 )
 def test_resuming_under_other_adapter_settings_is_refused(tokenizer, tmp_path, stage, changed):
     """Only tensors of another shape were refused: a checkpoint resumed under another lora_alpha (or top_k, ...)
-    went on training its weights under the model's settings."""
+    went on training its weights under the model's settings. Stage 1 never routes, so it resumes under other routing
+    settings, and ends exactly where the run under those settings from the start ends."""
     _, trainer = _stage_run(stage, tokenizer, tmp_path / "first")
     trainer.train()
     ((field, value),) = changed.items()
-    _, trainer = _stage_run(stage, tokenizer, tmp_path / "again", **changed)
+    resumed, trainer = _stage_run(stage, tokenizer, tmp_path / "again", **changed)
+    if stage == "contrastive" and field in ("top_k", "router_gradient"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-2"))
+        reference, trainer = _stage_run(stage, tokenizer, tmp_path / "changed", **changed)
+        trainer.train()
+        params = dict(reference.named_parameters())
+        assert all(torch.equal(param, params[name]) for name, param in resumed.named_parameters())
+        return
     saved = UBMoEConfig().to_dict()[field]
     message = rf"by adapter 'default' with {field}={saved!r} \(the model has {value!r}\).*same adapter options as"
     with pytest.raises(AdapterMismatchError, match=message):

@@ -337,8 +337,11 @@ def _adapter_config(adapter: str) -> Any:
 
     folder = Path(adapter)
     if folder.is_dir() and not (folder / "adapter_config.json").is_file():
-        if (folder / "ubmoe_adapter" / "adapter_config.json").is_file():  # a stage-1 checkpoint (sentence-transformers)
-            hint = f" It is a stage-1 training checkpoint: its adapter is {str(folder / 'ubmoe_adapter')!r}."
+        inner = folder / "ubmoe_adapter"  # a stage-1 checkpoint (sentence-transformers); a named adapter in a subfolder
+        saved = [inner, *sorted(inner.glob("*"))] if inner.is_dir() else []
+        saved = [path for path in saved if (path / "adapter_config.json").is_file()]
+        if saved:
+            hint = f" It is a stage-1 training checkpoint: its adapter is {str(saved[0])!r}."
         elif (folder / "config.json").is_file():
             hint = " It holds a model: pass it as --model."
         else:

@@ -150,24 +150,30 @@ def check_training_counts(config: Any) -> None:
 # What makes a resumed run the run it continues: the settings that change what the adapter computes, and the two
 # that act only in training.
 _RUN_SETTINGS = (*OUTPUT_SETTINGS, "router_gradient", "lora_dropout")
+# Stage 1 never routes (mode bi): its resume may change the routers' settings, which its checkpoint's weights (the
+# experts, bit for bit) do not depend on; a stage-1 run resumed under top_k=2 trains exactly as under 1.
+_ROUTING_SETTINGS = ("top_k", "router_gradient", "router_dtype")
 
 
 def _canonical(value: Any) -> Any:
     return sorted(value, key=str) if isinstance(value, (list, tuple, set)) else value
 
 
-def check_checkpoint_settings(model: nn.Module, adapter: str, folder: Path, checkpoint: str) -> None:
+def check_checkpoint_settings(
+    model: nn.Module, adapter: str, folder: Path, checkpoint: str, stage: str = "router"
+) -> None:
     """Refuse to resume adapter ``adapter`` of ``model`` from a checkpoint saved with other settings.
 
     The checkpoint's weights are loaded into the running adapter, whose settings win: a checkpoint trained with
-    ``lora_alpha=16`` resumed under 64 went on with a LoRA scale of 8 instead of 5.66, and a changed ``top_k`` or
-    ``router_gradient`` silently became another run. Only tensors of another shape were refused."""
+    ``lora_alpha=16`` resumed under 64 went on with a LoRA scale of 8 instead of 5.66, and in stage router a changed
+    ``top_k`` or ``router_gradient`` silently became another run. Only tensors of another shape were refused."""
     path = folder / CONFIG_NAME
     configs = getattr(model, "peft_config", {})
     if adapter not in configs or not path.is_file():  # a missing file is named by the weights loader
         return
     saved, current = read_json_config(path), configs[adapter].to_dict()
-    differ = [k for k in _RUN_SETTINGS if _canonical(saved.get(k)) != _canonical(current.get(k))]
+    settings = [k for k in _RUN_SETTINGS if stage == "router" or k not in _ROUTING_SETTINGS]
+    differ = [k for k in settings if _canonical(saved.get(k)) != _canonical(current.get(k))]
     if differ:
         shown = ", ".join(f"{k}={saved.get(k)!r} (the model has {current.get(k)!r})" for k in differ)
         raise AdapterMismatchError(
@@ -198,17 +204,22 @@ def checkpoint_adapter(model: nn.Module, folder: Path, checkpoint: str) -> Path:
         return saved[adapter]
     if list(saved) == ["default"]:
         return folder
-    if (folder / ADAPTER_FOLDER / CONFIG_NAME).is_file():  # sentence-transformers' layout: stage 1's checkpoint
+    if (folder / ADAPTER_FOLDER).is_dir():  # sentence-transformers' layout (a named adapter in a subfolder): stage 1
         raise AdapterMismatchError(
             f"Checkpoint {checkpoint!r} is a stage-1 (contrastive) checkpoint, which stage 2 cannot resume: its "
             f"adapter ({folder / ADAPTER_FOLDER}) is what stage 2 starts from (--adapter on the command line). Resume "
             "stage 2 from one of its own checkpoints, or start it without resume_from_checkpoint."
         )
-    held = f"adapters {list(saved)}" if saved else "no adapter weights"
+    if not saved:  # no name to change: another kind of folder, or a damaged checkpoint
+        raise AdapterMismatchError(
+            f"Checkpoint {checkpoint!r} holds no adapter weights ({WEIGHTS_NAME} in {folder} or a subfolder), so it "
+            "is not a checkpoint of this kind of run, or it is damaged. Resume from another checkpoint of this run, "
+            "or start a new run without resume_from_checkpoint."
+        )
     raise AdapterMismatchError(
-        f"Checkpoint {checkpoint!r} holds {held} ({folder}), but the model trains adapter {adapter!r}: its weights "
-        "would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, or the "
-        "same adapter_name as the run that saved it), or start a new run without resume_from_checkpoint."
+        f"Checkpoint {checkpoint!r} holds adapters {list(saved)} ({folder}), but the model trains adapter {adapter!r}: "
+        "its weights would not be restored. Resume with the adapter name the checkpoint was saved under (set_adapter, "
+        "or the same adapter_name as the run that saved it), or start a new run without resume_from_checkpoint."
     )
 
 
@@ -431,7 +442,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         adapter = self.peft_model.active_adapter
         folder = Path(checkpoint_path) / _encoder_path(checkpoint_path) / ADAPTER_FOLDER
         folder = checkpoint_adapter(self.peft_model, folder, checkpoint_path)
-        check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path)
+        check_checkpoint_settings(self.peft_model, adapter, folder, checkpoint_path, stage="contrastive")
         set_peft_model_state_dict(self.peft_model, load_peft_weights(str(folder)), adapter_name=adapter)
 
 
