@@ -190,6 +190,58 @@ def test_disable_adapter_leaves_the_stage_and_frozen_adapters_as_they_were(tmp_p
     assert torch.equal(model(*batch()).logits, before)  # same dropout (none on a frozen LoRA expert)
 
 
+def test_new_layers_follow_the_mode_of_the_module_they_wrap():
+    """A new module starts in training mode: UBMoE layers made on a base in eval mode (as from_pretrained returns it),
+    or by add_adapter after model.eval() on layers the first adapter does not wrap, ran their LoRA dropout at
+    inference, so two equal calls differed."""
+    model = get_peft_model(tiny_model(), UBMoEConfig(layers_to_transform=[0], lora_dropout=0.5))
+    assert not any(module.training for module in model.get_base_model().modules())
+    model.eval().add_adapter("two", UBMoEConfig(layers_to_transform=[1], lora_dropout=0.5))
+    model.set_adapter("two")
+    perturb_adapters(model)
+    assert not any(module.training for module in model.modules())
+    ids, mask = batch()
+    with ubmoe_peft.use_mode(model, "bi"):
+        assert torch.equal(logits(model, ids, mask), logits(model, ids, mask))
+    model.train()
+    assert all(module.training for module in model.modules())
+
+
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant):
+    """Gradient checkpointing runs the layers again in backward. One loss over a mode-bi forward (in `use_mode`) and
+    a mode-moe forward of another shape: the layers were recomputed in the mode set at backward (silently wrong
+    gradients with reentrant checkpointing, a CheckpointError without), and the recompute recorded its routing again,
+    over the last forward's (routing_stats and track_routing then showed the first forward's, without its padding)."""
+
+    def run(checkpointing):
+        model, _ = wrap("llama", expert, attention_r=4)
+        perturb_adapters(model, std=0.3)
+        model.train()
+        if checkpointing is not None:
+            kwargs = {"use_reentrant": checkpointing}
+            model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        torch.manual_seed(0)
+        with ubmoe_peft.track_routing(model) as tally:
+            with ubmoe_peft.use_mode(model, "bi"):
+                embedded = model(*batch(b=3, t=9), output_hidden_states=True).hidden_states[-1]  # (B, T, C)
+            generated = model(*batch(seed=1, b=2, t=5)).logits  # (B, T, V)
+            (embedded.square().mean() + generated.square().mean()).backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return grads, ubmoe_peft.routing_stats(model), tally.shares()
+
+    expected, stats, tallied = run(None)
+    grads, got_stats, got_tallied = run(reentrant)
+    assert {"ubmoe_attn_A", "ubmoe_router", f"ubmoe_{'copy' if expert == 'copy' else 'lora_A'}"} <= {
+        part for name in expected for part in name.split(".")
+    }
+    assert set(grads) == set(expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+    assert got_stats == stats and got_tallied == tallied
+
+
 # ---- routing ------------------------------------------------------------------------------------------------------
 def _merged_lora_ffn(layer: UBMoELayer, adapter: str = "default") -> torch.nn.Module:
     """Reference bi expert built another way: the FFN with W + scale * B A merged into each projection."""

@@ -174,18 +174,20 @@ def _checkpointed_grads(model, tokenizer, **checkpointing):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_gradient_checkpointing_needs_the_model_in_the_embedding_mode(tokenizer, reentrant):
+@pytest.mark.parametrize("stage", [None, "contrastive"])
+def test_gradient_checkpointing_recomputes_in_the_embedding_mode(tokenizer, reentrant, stage):
     """Checkpointing recomputes the layers during backward, after the encoder has restored the model's mode: a model
-    left in mode moe crashed (non-reentrant) or got gradients of the wrong mode (reentrant)."""
-    with pytest.raises(ValueError, match=r"in mode 'moe'.*Call ubmoe_peft.set_stage\(model, 'contrastive'\)"):
-        _checkpointed_grads(_wrapped(), tokenizer, use_reentrant=reentrant)
+    left in mode moe crashed (non-reentrant) or got gradients of the wrong mode (reentrant); it was then refused.
+    The recomputation now runs in the mode of its forward."""
     expected = _checkpointed_grads(_wrapped(), tokenizer)
     model = _wrapped()
-    ubmoe_peft.set_stage(model, "contrastive")
+    if stage is not None:
+        ubmoe_peft.set_stage(model, stage)
     got = _checkpointed_grads(model, tokenizer, use_reentrant=reentrant)
     assert set(got) == set(expected) and all("ubmoe_lora_" in n for n in got)
     for name, grad in got.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+    assert ubmoe_peft.get_mode(model) == ("moe" if stage is None else "bi")
 
 
 def test_set_stage_on_the_sentence_transformer_stages_its_model(tokenizer):

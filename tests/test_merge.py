@@ -128,6 +128,40 @@ def test_safe_merge_refuses_nan_before_changing_any_weight():
     assert torch.isfinite(hidden(model, ids, mask)).all()
 
 
+def test_safe_merge_refuses_a_nan_router_in_the_moe_export():
+    """Mode moe sends a NaN router's tokens to uni (NaN > NaN is False) and stays finite; the exported gate's softmax
+    made every output NaN, past safe_merge."""
+    model = wrapped("llama", "lora")
+    last = [m for m in model.modules() if isinstance(m, UBMoELayer)][-1]
+    with torch.no_grad():
+        last.ubmoe_router["default"].weight[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"router of adapter 'default' has NaN/inf weights in layer 1"):
+        model.merge_and_unload(safe_merge=True)
+    with torch.no_grad():
+        assert torch.isfinite(model(*batch()).logits).all()
+
+
+@pytest.mark.parametrize("how", ["wrapped again", "unloaded"])
+@pytest.mark.parametrize("call", ["moe", "bi", "unload"])
+def test_a_spent_model_refuses_to_merge_or_unload(tmp_path, how, call):
+    """A model whose base was wrapped again (the MISSION's save, then PeftModel.from_pretrained(base, d)) merged or
+    stripped the newer model's layers in place (its next forward failed); one already unloaded "merged" into the
+    plain base marked bidirectional, off from mode bi."""
+    model = wrapped("llama", "lora")
+    newer = None
+    if how == "wrapped again":
+        model.save_pretrained(tmp_path)
+        newer = PeftModel.from_pretrained(model.get_base_model(), tmp_path).eval()
+        expected = newer(*batch()).logits
+    else:
+        model.unload()
+    spent = {"unload": model.unload, "moe": model.merge_and_unload, "bi": lambda: model.merge_and_unload(target="bi")}
+    with pytest.raises(ValueError, match="Use the model that call returned"):
+        spent[call]()
+    if newer is not None:
+        torch.testing.assert_close(newer(*batch()).logits, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

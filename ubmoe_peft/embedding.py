@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from .architectures import backbone
 from .evaluation import check_tokenizer
 from .io import UBMoEFileError, read_json_config
-from .modes import forward_in_mode, get_mode, ubmoe_layers
+from .modes import forward_in_mode, ubmoe_layers
 from .tuners.ubmoe.state import MODES
 
 try:
@@ -190,18 +189,6 @@ class UBMoEEncoder(InputModule):
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        current = get_mode(self.model)
-        if current != self.mode and torch.is_grad_enabled() and self.model.training and _checkpointing(self.model):
-            # Checkpointing runs the layers again during backward, after use_mode below has restored the mode: the
-            # recomputation would be of another mode (a CheckpointError, or silently wrong gradients if reentrant).
-            fix = "ubmoe_peft.set_stage(model, 'contrastive') or ubmoe_peft.set_mode(model, 'bi')"
-            if self.mode != "bi":
-                fix = f"ubmoe_peft.set_mode(model, {self.mode!r})"
-            raise ValueError(
-                f"The model is in mode {current!r}, but this SentenceTransformer embeds in mode {self.mode!r}, and "
-                "with gradient checkpointing on, the backward pass would recompute the layers in mode "
-                f"{current!r}. Call {fix} before training (or turn gradient checkpointing off)."
-            )
         # The switch to mode bi and back happens while this thread holds the model's forward lock: a thread that
         # generates meanwhile waits for its next forward instead of running it in mode bi (ModeState)
         with forward_in_mode(self.model, self.mode):
@@ -343,15 +330,6 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
             f"{[type(m).__name__ for m in st]}), so base was not used. Load it with SentenceTransformer(folder)."
         )
     return st
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether the wrapped transformers model has gradient (activation) checkpointing on."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5's name, then 4's
-        if hasattr(type(inner), name):  # on the class: reading the deprecated property would warn
-            return bool(getattr(inner, name))
-    return False
 
 
 def _check_max_length(max_length: Any) -> None:

@@ -147,6 +147,12 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
         bi = uni
         if i in wrapped:
             router = ffn.ubmoe_router[adapter].weight.detach()  # (2, C)
+            if check_finite and not bool(torch.isfinite(router).all()):  # mode moe sent NaN's tokens to uni (NaN > NaN
+                # is False); the exported gate's softmax makes every output NaN
+                raise ValueError(
+                    f"The router of adapter {adapter!r} has NaN/inf weights in layer {i} (safe_merge=True checked "
+                    "before building anything); the adapter is broken."
+                )
             if top_k == 2 or not torch.equal(router[0], router[1]):  # equal rows: bi is never picked (ties -> uni)
                 bi = ffn.bi_weights(adapter, check_finite=check_finite)
         state[f"{prefix}.gate.weight"] = router.to(down.dtype)

@@ -38,7 +38,7 @@ from .checks import (
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported
 from .lora import column_major
-from .state import ModeState, allowed_pairs, superseded_error
+from .state import ModeState, allowed_pairs, recompute_in_forward_mode, superseded_error
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -164,6 +164,7 @@ class UBMoEModel(BaseTuner):
         new = UBMoELayer(target, adapter_name, peft_config, self._ubmoe_state, index, hidden, attention=attention)
         if adapter_name not in self.active_adapters:
             new.requires_grad_(False)
+        new.train(target.training)  # a new module is in training mode: after model.eval(), its dropout ran at inference
         self._replace_module(parent, target_name, new, target)
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
@@ -245,6 +246,7 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
         self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
         layers = decoder_layers(self.model)
+        self._decoder_layers = [layer for _, layer in layers]  # whose checkpoint function `_before_backbone` wraps
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
         # The first layer that has one: a hybrid's first layer may be a convolution or state-space block (LFM2, Bamba)
         attention = next((a for _, layer in layers if (a := attention_module(layer)) is not None), None)
@@ -315,6 +317,8 @@ class UBMoEModel(BaseTuner):
                 "from another model's states. Continue in the mode that filled it, or run the whole text again in "
                 "this mode (without past_key_values)."
             )
+        if module.training and torch.is_grad_enabled():  # checkpointing recomputes a layer in its forward's mode
+            recompute_in_forward_mode(self._decoder_layers)
         if state.attention_hooked != (state.spec.ffn == "bi"):  # a mode change since the last forward
             state.attention_hooked = state.spec.ffn == "bi"
             for layer in self.model.modules():
@@ -430,6 +434,8 @@ class UBMoEModel(BaseTuner):
         False, which transformers' mask functions read, so the saved model loads with bidirectional attention.
         ``safe_merge`` checks every merged weight for NaN/inf; all checks run before anything changes.
         """
+        if self._ubmoe_state.superseded:  # it would merge (or export) the layers another model now runs, or none
+            raise superseded_error(self._ubmoe_state.superseded)
         if target not in ("moe", "bi"):
             raise ValueError(f"merge_and_unload(target={target!r}): target must be 'moe' or 'bi'.")
         adapter = self._merge_adapter(adapter_names)
@@ -487,6 +493,8 @@ class UBMoEModel(BaseTuner):
         safe_merge: bool = False,
         adapter_names: list[str] | None = None,
     ) -> nn.Module:
+        if self._ubmoe_state.superseded:  # it would strip the layers that a newer model on this base runs
+            raise superseded_error(self._ubmoe_state.superseded)
         if merge:
             raise merge_unsupported()
         return self._unwrap(lambda layer: layer.base_layer)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class ModeState:
         # Why this model no longer runs its layers: "wrapped again" (a later PeftModel on the same base took them
         # over, UBMoEModel._take_over) or "unloaded" (UBMoEModel._unwrap); None while it does
         self.superseded: str | None = None
+        self.recomputing = False  # a checkpointed layer runs again in backward (`recompute_in`): routing not recorded
 
     @contextmanager
     def switched(self, mode: str) -> Iterator[None]:
@@ -88,6 +92,25 @@ class ModeState:
         finally:
             with self.forward_lock:
                 self.mode = previous
+
+    @contextmanager
+    def recompute_in(self, mode: str, layers: list[nn.Module]) -> Iterator[None]:
+        """Gradient checkpointing runs a decoder layer again in backward: run it in ``mode``, the mode of its forward
+        (a forward in ``use_mode``, or two forwards in two modes before one backward, recomputed in the mode set
+        since: silently wrong gradients with reentrant checkpointing, a CheckpointError without), with the mode-bi
+        attention adapter of its UBMoE ``layers`` hooked in as in that forward. Its routing was recorded by the
+        forward: recorded again it replaced the last forward's (`record`)."""
+        with self.forward_lock:  # no other forward runs meanwhile: the mode is the model's, in every thread
+            previous, self.mode, self.recomputing = self.mode, mode, True
+            hooked = MODES[mode].ffn == "bi"
+            for layer in layers if hooked != self.attention_hooked else []:
+                layer.set_attention_hooks(hooked)
+            try:
+                yield
+            finally:
+                self.mode, self.recomputing = previous, False
+                for layer in layers if hooked != self.attention_hooked else []:
+                    layer.set_attention_hooks(self.attention_hooked)
 
     def lock_forward(self) -> None:
         """Take the forward lock for one forward of the decoder (`end_forward` releases it)."""
@@ -152,6 +175,8 @@ class ModeState:
         Only a reference is kept; the share is computed when asked for (`shares`), because reducing it here, in every
         layer at every decode step, cost more than the router itself.
         """
+        if self.recomputing:
+            return
         if self.routing is None:
             self.routing, self.routing_mask = {}, self.token_mask
         self.routing[layer_idx] = bi_weight  # callers pass tensors without a graph (detached)
@@ -191,6 +216,43 @@ class ModeState:
             else:
                 result[layer_idx] = (float(weight.sum()), float(weight.numel()))
         return result
+
+
+def recompute_in_forward_mode(layers: list[nn.Module]) -> None:
+    """Wrap the checkpoint function transformers gave each of these decoder layers (`gradient_checkpointing_enable`)
+    so that the layer's recomputation in backward runs in the mode its forward ran in (`ModeState.recompute_in`).
+    Hand-written: neither transformers nor PEFT knows of a mode, and torch's ``context_fn`` exists only without
+    reentrant checkpointing (and is the user's to set)."""
+    for layer in layers:
+        checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
+        if checkpoint is not None and not hasattr(checkpoint, "ubmoe_checkpoint"):
+            layer._gradient_checkpointing_func = _in_forward_mode(checkpoint)
+
+
+def _in_forward_mode(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(checkpoint)
+    def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        # transformers checkpoints partial(forward, layer, ...) (5.x) or partial(layer.__call__, ...) (4.x)
+        owner = function.args[0] if isinstance(function, functools.partial) and function.args else None
+        owner = owner if isinstance(owner, nn.Module) else getattr(getattr(function, "func", None), "__self__", None)
+        # The state of the layer run, not of the model wrapped when this was installed: a deep copy shares this
+        ubmoe = [m for m in owner.modules() if isinstance(m.__dict__.get("_state"), ModeState)] if owner else []
+        if not ubmoe:
+            return checkpoint(function, *args, **kwargs)
+        state, calls = ubmoe[0]._state, []
+        mode = state.mode
+
+        def in_mode(*inner: Any, **options: Any) -> Any:
+            calls.append(None)
+            if len(calls) == 1:  # the forward itself
+                return function(*inner, **options)
+            with state.recompute_in(mode, ubmoe):
+                return function(*inner, **options)
+
+        return checkpoint(in_mode, *args, **kwargs)
+
+    run.ubmoe_checkpoint = checkpoint  # type: ignore[attr-defined]
+    return run
 
 
 class RoutingTally:
