@@ -1115,6 +1115,35 @@ def test_another_peft_methods_adapter_onto_a_ubmoe_wrapped_base_is_refused(tmp_p
     assert layers(PeftModel.from_pretrained(model.unload(), tmp_path / "lora")) == []  # the named fix
 
 
+def test_another_peft_method_on_a_ubmoe_model_is_refused_and_a_peft_model_is_no_base(tmp_path):
+    """Another PEFT method's tuner on a model holding UBMoE layers (get_peft_model on the UBMoE model or its base,
+    inject_adapter_in_model): PEFT only warned, then wrote its config over the UBMoE model's (whose save then loaded
+    as a LoRA model), saved the UBMoE tensors in its own file and kept them routing. A PeftModel given as the base
+    of a UBMoE model (get_peft_model, from_pretrained) had its trained adapter replaced by a fresh one."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig()).eval()
+    perturb_adapters(model)
+    ids, mask = batch()
+    expected = logits(model, ids, mask)
+    lora = LoraConfig(r=4, target_modules=["q_proj"])
+    inner = model.get_base_model()
+    for wrap_it in (
+        lambda: get_peft_model(model, lora),
+        lambda: get_peft_model(inner, lora),
+        lambda: inject_adapter_in_model(lora, inner),
+    ):
+        with pytest.raises(ValueError, match="LoraModel cannot wrap a model that holds UBMoE layers.*unload"):
+            wrap_it()
+    model.save_pretrained(tmp_path)
+    for wrap_it in (lambda: get_peft_model(model, UBMoEConfig()), lambda: PeftModel.from_pretrained(model, tmp_path)):
+        with pytest.raises(ValueError, match="is a PeftModel, a model PEFT already wraps.*get_base_model"):
+            wrap_it()
+    assert model.peft_config["default"].peft_type == PeftType.UBMOE
+    torch.testing.assert_close(logits(model, ids, mask), expected, rtol=0, atol=0)
+    torch.testing.assert_close(logits(PeftModel.from_pretrained(tiny_model(), tmp_path), ids, mask), expected)
+
+
 # ---- multiple adapters --------------------------------------------------------------------------------------------
 def test_adapter_names_that_are_module_names(tmp_path):
     """An adapter named "mlp": its ModuleDict entries ("...mlp.ubmoe_lora_A.mlp") were taken for FFNs by every later

@@ -380,22 +380,45 @@ def test_a_refused_load_adapter_leaves_no_adapter_behind(tmp_path, case):
     assert sorted(loaded.peft_config) == ["default", "x"]
 
 
-def test_a_refused_load_onto_a_wrapped_base_leaves_no_hooks_behind(saved):
-    """The refused model's backbone hooks stayed on the base and outlived unload(): a model wrapped anew then had
-    its KV caches tagged by them, and generation outside mode moe failed."""
+@pytest.mark.parametrize("earlier", [{}, dict(layers_to_transform=[0], attention_r=4, modules_to_save=["lm_head"])])
+@pytest.mark.parametrize("damage", ["router of another shape", "NaN weights", "truncated file"])
+def test_a_refused_load_onto_a_wrapped_base_gives_the_earlier_model_back(saved, tmp_path, earlier, damage):
+    """The README's save_pretrained(d); PeftModel.from_pretrained(base, d), with a damaged file: the load changes the
+    earlier model in place before the weights are checked (its adapter of that name dropped for a fresh one, its
+    layers following the new model), so the refusal left the trained model untrained and refusing every call. The
+    refused model's hooks also stayed on the base, tagging later KV caches."""
     folder, _ = saved
-    _edit_weights(folder, _reshape_router)
+    if damage == "truncated file":
+        _truncate(folder / "adapter_model.safetensors")
+    else:
+        _edit_weights(folder, _reshape_router if damage == "router of another shape" else _poison)
     base = tiny()
-    first = wrap(base)
-    with pytest.raises(AdapterMismatchError):
+    first = trained(wrap(base, **earlier))
+    ids = torch.arange(10).view(1, 10)
+    expected = {mode: logits_in(first, mode, ids) for mode in ("uni", "bi", "moe")}
+    state, config = snapshot(first), first.peft_config["default"].to_dict()
+    trainable = {n for n, p in first.named_parameters() if p.requires_grad}
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in base.modules())
+    with pytest.raises((AdapterMismatchError, AdapterFileError)):
         peft.PeftModel.from_pretrained(base, folder)
+    assert same_state(first, state) and first.peft_config["default"].to_dict() == config
+    assert {n for n, p in first.named_parameters() if p.requires_grad} == trainable
+    assert hooks == sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in base.modules())
+    for mode, values in expected.items():
+        torch.testing.assert_close(logits_in(first, mode, ids), values, rtol=0, atol=0)
+    first.save_pretrained(tmp_path / "again")
+    torch.testing.assert_close(logits(peft.PeftModel.from_pretrained(tiny(), tmp_path / "again"), ids), expected["moe"])
     plain = first.base_model.unload()
     assert not [h for m in plain.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     again = wrap(plain)
     ubmoe_peft.set_mode(again, "uni")
-    ids = torch.tensor([[3, 5, 7, 9]])
-    expected = tiny().generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(again.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
+    greedy = dict(input_ids=ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(again.generate(**greedy), tiny().generate(**greedy))
+
+
+def logits_in(model: torch.nn.Module, mode: str, ids: torch.Tensor) -> torch.Tensor:
+    with ubmoe_peft.use_mode(model, mode):
+        return logits(model, ids)
 
 
 def _truncate(path: pathlib.Path) -> None:

@@ -474,9 +474,9 @@ def _wrap_from_pretrained(original: Any) -> Any:
         _refuse_disk_offload(model, model_id, folder)  # before any change
         from .tuners.ubmoe.layer import UBMoELayer
         from .tuners.ubmoe.model import UBMoEModel
+        from .tuners.ubmoe.undo import snapshot
 
-        plain = not any(isinstance(m, UBMoELayer) for m in model.modules())
-        if not plain:
+        if any(isinstance(m, UBMoELayer) for m in model.modules()):
             kind = _peft_type(model_id, config, kwargs)
             if kind not in (None, UBMOE_TYPE):  # PEFT only warned, then ran its layers beside the routing UBMoE ones
                 raise ValueError(
@@ -485,24 +485,13 @@ def _wrap_from_pretrained(original: Any) -> Any:
                     "the bare base back first with unload() on the UBMoE model."
                 )
         token = _OWN_CONFIG.set(config is None)
-        if plain:  # what a refused load must give back: PEFT freezes the base and adds hooks before the weights load
-            hooks = [(m, set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()]
-            trainable = [(p, p.requires_grad) for p in model.parameters()]
-        owners = UBMoEModel.hook_owners(model)
+        # PEFT wraps the base (and `_take_over` the layers of an earlier model on it) before the weights load and are
+        # checked: a refused load gives the base, and that model, back as they were (`undo.py`)
+        restore = snapshot(model, UBMoEModel.hook_owners(model))
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
-            for owner in UBMoEModel.hook_owners(model) - owners if not plain else ():  # (a plain base: below)
-                owner._remove_hooks()  # the refused model's hooks on a wrapped base: they tagged later KV caches
-            if plain:  # the refused files' layers and hooks came off again: the base is as it was passed
-                UBMoEModel.undo_failed_load(model)
-                for module, forward, pre in hooks:
-                    for key in set(module._forward_hooks) - forward:
-                        del module._forward_hooks[key]
-                    for key in set(module._forward_pre_hooks) - pre:
-                        del module._forward_pre_hooks[key]
-                for parameter, flag in trainable:
-                    parameter.requires_grad_(flag)
+            restore()
             raise
         finally:
             _OWN_CONFIG.reset(token)
@@ -651,10 +640,37 @@ def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+def _wrap_tuner_init(original: Any) -> Any:
+    """Another PEFT method's tuner (LoRA...) on a model that holds UBMoE layers (get_peft_model on the UBMoE model or
+    its base, inject_adapter_in_model): PEFT only warned, then wrote its config over the UBMoE model's in the shared
+    ``peft_config`` (that model's save became a LoRA config, loading as another model), saved the UBMoE tensors in
+    its own file, and its ``disable_adapter()`` turned the UBMoE experts off but left mode bi's attention on. One
+    check here covers every way in, before the tuner changes anything."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        from .tuners.ubmoe.layer import UBMoELayer
+        from .tuners.ubmoe.model import UBMoEModel
+
+        if not isinstance(self, UBMoEModel) and any(isinstance(m, UBMoELayer) for m in model.modules()):
+            raise ValueError(
+                f"{type(self).__name__} cannot wrap a model that holds UBMoE layers: it would overwrite the UBMoE "
+                "model's adapter config (shared through the base), so that model's saves would load as another "
+                "model, and the UBMoE layers would keep routing inside it. Wrap a fresh base, or the plain model that "
+                "unload() (the base), merge_and_unload() (a MoE model) or merge_and_unload(target='bi') (the "
+                "embedding model) returns from the UBMoE model."
+            )
+        original(self, model, *args, **kwargs)
+
+    __init__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return __init__
+
+
 def install() -> None:
     """Install the wrappers into PEFT (idempotent). Called when ubmoe-peft is imported."""
     import peft.peft_model as peft_model
     from peft.config import PeftConfig
+    from peft.tuners.tuners_utils import BaseTuner
 
     if not hasattr(peft_model.safe_save_file, "_ubmoe_wrapped"):
         peft_model.safe_save_file = _wrap_safe_save_file(peft_model.safe_save_file)
@@ -665,6 +681,8 @@ def install() -> None:
         peft_model.PeftModel.from_pretrained = _wrap_from_pretrained(from_pretrained)
     if not hasattr(peft_model.PeftModel.load_adapter, "_ubmoe_wrapped"):
         peft_model.PeftModel.load_adapter = _wrap_load_adapter(peft_model.PeftModel.load_adapter)
+    if not hasattr(BaseTuner.__init__, "_ubmoe_wrapped"):
+        BaseTuner.__init__ = _wrap_tuner_init(BaseTuner.__init__)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
         peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
     from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin

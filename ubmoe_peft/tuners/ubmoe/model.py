@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTuner
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
@@ -93,6 +94,12 @@ class UBMoEModel(BaseTuner):
 
     def __init__(self, model, config, adapter_name, low_cpu_mem_usage: bool = False, state_dict=None) -> None:
         refuse_other_tuners(model)  # before PEFT's __init__ writes our config into a wrapped model's shared dict
+        if isinstance(model, (PeftModel, BaseTuner)):  # wrapped again in place, it lost its trained adapter
+            raise ValueError(
+                f"The model given is a {type(model).__name__}, a model PEFT already wraps; wrapping it again would "
+                "replace its adapter with a fresh one. Pass its base model (model.get_base_model()) for a new model, "
+                "or add an adapter to it with model.add_adapter(name, config) or model.load_adapter(folder, name)."
+            )
         refuse_sentence_transformers_module()
         # The layers created during super().__init__ share this object, so it must exist before injection.
         object.__setattr__(self, "_ubmoe_state", ModeState())
@@ -498,15 +505,6 @@ class UBMoEModel(BaseTuner):
         if merge:
             raise merge_unsupported()
         return self._unwrap(lambda layer: layer.base_layer)
-
-    @staticmethod
-    def undo_failed_load(model: nn.Module) -> None:
-        """Put ``model`` back as it was before a `PeftModel.from_pretrained` that wrapped it and then refused the
-        saved files (their settings, integrity or shapes are checked as PEFT loads the weights, after the layers
-        exist): the base was left holding UBMoE layers and hooks. Only a base that held no UBMoE layer before the
-        call is restored (the caller checks)."""
-        for owner in UBMoEModel.hook_owners(model):
-            owner._unwrap(lambda layer: layer.base_layer, original=True)
 
     @staticmethod
     def hook_owners(model: nn.Module) -> set[UBMoEModel]:
