@@ -210,13 +210,14 @@ def test_new_layers_follow_the_mode_of_the_module_they_wrap():
 @pytest.mark.parametrize("expert", EXPERTS)
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant):
-    """Gradient checkpointing runs the layers again in backward. One loss over a mode-bi forward (in `use_mode`) and
-    a mode-moe forward of another shape: the layers were recomputed in the mode set at backward (silently wrong
-    gradients with reentrant checkpointing, a CheckpointError without), and the recompute recorded its routing again,
-    over the last forward's (routing_stats and track_routing then showed the first forward's, without its padding)."""
+    """Gradient checkpointing runs the layers again in backward. One loss over a mode-bi forward (in `use_mode`), one
+    with adapters disabled and a mode-moe forward of another shape: the layers were recomputed in the mode set at
+    backward (silently wrong gradients with reentrant checkpointing, a CheckpointError without; a layer without a
+    UBMoE layer failed the mode-bi mask check), and the recompute recorded its routing again, over the last forward's
+    (routing_stats and track_routing then showed the first forward's, without its padding)."""
 
     def run(checkpointing):
-        model, _ = wrap("llama", expert, attention_r=4)
+        model, _ = wrap("llama", expert, attention_r=4, layers_to_transform=[1] if expert == "copy" else None)
         perturb_adapters(model, std=0.3)
         model.train()
         if checkpointing is not None:
@@ -226,8 +227,10 @@ def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant
         with ubmoe_peft.track_routing(model) as tally:
             with ubmoe_peft.use_mode(model, "bi"):
                 embedded = model(*batch(b=3, t=9), output_hidden_states=True).hidden_states[-1]  # (B, T, C)
+            with model.disable_adapter():
+                base = model(*batch(seed=2, b=2, t=7)).logits  # (B, T, V)
             generated = model(*batch(seed=1, b=2, t=5)).logits  # (B, T, V)
-            (embedded.square().mean() + generated.square().mean()).backward()
+            (embedded.square().mean() + base.square().mean() + generated.square().mean()).backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         return grads, ubmoe_peft.routing_stats(model), tally.shares()
 
@@ -1120,7 +1123,7 @@ def test_another_peft_method_on_a_ubmoe_model_is_refused_and_a_peft_model_is_no_
     inject_adapter_in_model): PEFT only warned, then wrote its config over the UBMoE model's (whose save then loaded
     as a LoRA model), saved the UBMoE tensors in its own file and kept them routing. A PeftModel given as the base
     of a UBMoE model (get_peft_model, from_pretrained) had its trained adapter replaced by a fresh one."""
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import LoraConfig, PromptTuningConfig, inject_adapter_in_model
 
     model = get_peft_model(tiny_model("llama"), UBMoEConfig()).eval()
     perturb_adapters(model)
@@ -1135,6 +1138,10 @@ def test_another_peft_method_on_a_ubmoe_model_is_refused_and_a_peft_model_is_no_
     ):
         with pytest.raises(ValueError, match="LoraModel cannot wrap a model that holds UBMoE layers.*unload"):
             wrap_it()
+    prompt = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)  # builds no tuner: checked apart
+    for target in (model, inner):
+        with pytest.raises(ValueError, match="PromptTuningConfig cannot wrap a model that holds UBMoE layers"):
+            get_peft_model(target, prompt)
     model.save_pretrained(tmp_path)
     for wrap_it in (lambda: get_peft_model(model, UBMoEConfig()), lambda: PeftModel.from_pretrained(model, tmp_path)):
         with pytest.raises(ValueError, match="is a PeftModel, a model PEFT already wraps.*get_base_model"):

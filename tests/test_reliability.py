@@ -4,6 +4,7 @@ atomic saves, numerical edge cases and per-model mode state. Tiny random models,
 from __future__ import annotations
 
 import ast
+import collections
 import copy
 import json
 import os
@@ -393,6 +394,7 @@ def test_a_refused_load_onto_a_wrapped_base_gives_the_earlier_model_back(saved, 
     else:
         _edit_weights(folder, _reshape_router if damage == "router of another shape" else _poison)
     base = tiny()
+    base.model.layers[0].seen = collections.defaultdict(list, {"a": [1]})  # a user's bookkeeping (copied as it is)
     first = trained(wrap(base, **earlier))
     ids = torch.arange(10).view(1, 10)
     expected = {mode: logits_in(first, mode, ids) for mode in ("uni", "bi", "moe")}
@@ -404,6 +406,7 @@ def test_a_refused_load_onto_a_wrapped_base_gives_the_earlier_model_back(saved, 
     assert same_state(first, state) and first.peft_config["default"].to_dict() == config
     assert {n for n, p in first.named_parameters() if p.requires_grad} == trainable
     assert hooks == sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in base.modules())
+    assert base.model.layers[0].seen == {"a": [1]} and base.model.layers[0].seen["b"] == []
     for mode, values in expected.items():
         torch.testing.assert_close(logits_in(first, mode, ids), values, rtol=0, atol=0)
     first.save_pretrained(tmp_path / "again")

@@ -484,10 +484,10 @@ def _wrap_from_pretrained(original: Any) -> Any:
                     "PeftModel.from_pretrained change their base in place). Load it onto a fresh base model, or get "
                     "the bare base back first with unload() on the UBMoE model."
                 )
-        token = _OWN_CONFIG.set(config is None)
         # PEFT wraps the base (and `_take_over` the layers of an earlier model on it) before the weights load and are
         # checked: a refused load gives the base, and that model, back as they were (`undo.py`)
         restore = snapshot(model, UBMoEModel.hook_owners(model))
+        token = _OWN_CONFIG.set(config is None)  # reset in `finally` below, whatever happens from here
         try:
             return original.__func__(cls, model, model_id, *args, **kwargs)
         except BaseException:
@@ -649,21 +649,42 @@ def _wrap_tuner_init(original: Any) -> Any:
 
     @functools.wraps(original)
     def __init__(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
-        from .tuners.ubmoe.layer import UBMoELayer
         from .tuners.ubmoe.model import UBMoEModel
 
-        if not isinstance(self, UBMoEModel) and any(isinstance(m, UBMoELayer) for m in model.modules()):
-            raise ValueError(
-                f"{type(self).__name__} cannot wrap a model that holds UBMoE layers: it would overwrite the UBMoE "
-                "model's adapter config (shared through the base), so that model's saves would load as another "
-                "model, and the UBMoE layers would keep routing inside it. Wrap a fresh base, or the plain model that "
-                "unload() (the base), merge_and_unload() (a MoE model) or merge_and_unload(target='bi') (the "
-                "embedding model) returns from the UBMoE model."
-            )
+        if not isinstance(self, UBMoEModel):
+            _refuse_ubmoe_inside(type(self).__name__, model)
         original(self, model, *args, **kwargs)
 
     __init__._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return __init__
+
+
+def _wrap_peft_model_init(original: Any) -> Any:
+    """Prompt learning (prompt or prefix tuning...) builds no tuner, so `_wrap_tuner_init` does not see it: on a
+    model holding UBMoE layers it was accepted, the UBMoE layers kept routing inside it, and its save reloaded onto a
+    fresh base as another model."""
+
+    @functools.wraps(original)
+    def __init__(self: Any, model: Any, peft_config: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(peft_config, "is_prompt_learning", False):
+            _refuse_ubmoe_inside(type(peft_config).__name__, model)
+        original(self, model, peft_config, *args, **kwargs)
+
+    __init__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return __init__
+
+
+def _refuse_ubmoe_inside(method: str, model: Any) -> None:
+    from .tuners.ubmoe.layer import UBMoELayer
+
+    if any(isinstance(m, UBMoELayer) for m in model.modules()):
+        raise ValueError(
+            f"{method} cannot wrap a model that holds UBMoE layers: they would keep routing inside it, but its saves "
+            "would not hold them (reloaded onto a fresh base, it is another model), and a tuner such as LoRA would "
+            "write its config over the UBMoE model's (shared through the base). Wrap a fresh base, or the plain model "
+            "that unload() (the base), merge_and_unload() (a MoE model) or merge_and_unload(target='bi') (the "
+            "embedding model) returns from the UBMoE model."
+        )
 
 
 def install() -> None:
@@ -683,6 +704,8 @@ def install() -> None:
         peft_model.PeftModel.load_adapter = _wrap_load_adapter(peft_model.PeftModel.load_adapter)
     if not hasattr(BaseTuner.__init__, "_ubmoe_wrapped"):
         BaseTuner.__init__ = _wrap_tuner_init(BaseTuner.__init__)
+    if not hasattr(peft_model.PeftModel.__init__, "_ubmoe_wrapped"):
+        peft_model.PeftModel.__init__ = _wrap_peft_model_init(peft_model.PeftModel.__init__)
     if not hasattr(peft_model.load_peft_weights, "_ubmoe_wrapped"):
         peft_model.load_peft_weights = _wrap_load_peft_weights(peft_model.load_peft_weights)
     from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin

@@ -325,7 +325,7 @@ class UBMoEModel(BaseTuner):
                 "this mode (without past_key_values)."
             )
         if module.training and torch.is_grad_enabled():  # checkpointing recomputes a layer in its forward's mode
-            recompute_in_forward_mode(self._decoder_layers)
+            recompute_in_forward_mode(self._decoder_layers, state)
         if state.attention_hooked != (state.spec.ffn == "bi"):  # a mode change since the last forward
             state.attention_hooked = state.spec.ffn == "bi"
             for layer in self.model.modules():
@@ -366,7 +366,8 @@ class UBMoEModel(BaseTuner):
     def _check_bidirectional(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Fail loudly if a transformers release turned mode bi's attention causal again (seen in peer projects)."""
         state = self._ubmoe_state
-        if state.spec.causal or not state.adapters_enabled or state.user_mask_4d:  # a user's 4D mask: checked above
+        # A user's 4D mask was checked above; a recompute's mask by its forward (`user_mask_4d` is the last forward's)
+        if state.spec.causal or not state.adapters_enabled or state.user_mask_4d or state.recomputing:
             return
         mask = kwargs.get("attention_mask")
         if mask is None:

@@ -93,22 +93,34 @@ class ModeState:
             with self.forward_lock:
                 self.mode = previous
 
+    def forward_settings(self, layers: list[nn.Module]) -> tuple:
+        """What a forward of these UBMoE ``layers`` depends on besides its inputs: the mode, whether adapters are
+        disabled (PEFT's ``disable_adapter()``), and each layer's active adapter."""
+        return self.mode, self.adapters_enabled, [(m, m._disable_adapters, m._active_adapter) for m in layers]
+
     @contextmanager
-    def recompute_in(self, mode: str, layers: list[nn.Module]) -> Iterator[None]:
-        """Gradient checkpointing runs a decoder layer again in backward: run it in ``mode``, the mode of its forward
-        (a forward in ``use_mode``, or two forwards in two modes before one backward, recomputed in the mode set
-        since: silently wrong gradients with reentrant checkpointing, a CheckpointError without), with the mode-bi
-        attention adapter of its UBMoE ``layers`` hooked in as in that forward. Its routing was recorded by the
-        forward: recorded again it replaced the last forward's (`record`)."""
+    def recompute_in(self, settings: tuple, layers: list[nn.Module]) -> Iterator[None]:
+        """Gradient checkpointing runs a decoder layer again in backward: run it with the ``settings`` of its forward
+        (`forward_settings`), also when they changed since (a forward in ``use_mode`` or ``disable_adapter()``, two
+        forwards in two modes or of two adapters before one backward: the recompute of the settings at backward gave
+        silently wrong gradients with reentrant checkpointing, a CheckpointError without), with the mode-bi attention
+        adapter of its UBMoE ``layers`` hooked in as in that forward. Its routing was recorded by the forward:
+        recorded again it replaced the last forward's (`record`), and its mask was checked (`_check_bidirectional`)."""
+        mode, enabled, flags = settings
         with self.forward_lock:  # no other forward runs meanwhile: the mode is the model's, in every thread
-            previous, self.mode, self.recomputing = self.mode, mode, True
+            previous = self.mode, self.adapters_enabled, [(m, m._disable_adapters, m._active_adapter) for m in layers]
+            self.mode, self.adapters_enabled, self.recomputing = mode, enabled, True
             hooked = MODES[mode].ffn == "bi"
-            for layer in layers if hooked != self.attention_hooked else []:
-                layer.set_attention_hooks(hooked)
             try:
+                for layer, disabled, active in flags:
+                    layer._disable_adapters, layer._active_adapter = disabled, active
+                for layer in layers if hooked != self.attention_hooked else []:
+                    layer.set_attention_hooks(hooked)
                 yield
             finally:
-                self.mode, self.recomputing = previous, False
+                self.mode, self.adapters_enabled, self.recomputing = previous[0], previous[1], False
+                for layer, disabled, active in previous[2]:
+                    layer._disable_adapters, layer._active_adapter = disabled, active
                 for layer in layers if hooked != self.attention_hooked else []:
                     layer.set_attention_hooks(self.attention_hooked)
 
@@ -218,12 +230,15 @@ class ModeState:
         return result
 
 
-def recompute_in_forward_mode(layers: list[nn.Module]) -> None:
+def recompute_in_forward_mode(layers: list[nn.Module], state: ModeState) -> None:
     """Wrap the checkpoint function transformers gave each of these decoder layers (`gradient_checkpointing_enable`)
-    so that the layer's recomputation in backward runs in the mode its forward ran in (`ModeState.recompute_in`).
-    Hand-written: neither transformers nor PEFT knows of a mode, and torch's ``context_fn`` exists only without
-    reentrant checkpointing (and is the user's to set)."""
+    so that a layer's recomputation in backward runs with the settings of its forward (`ModeState.recompute_in`), also
+    a layer that holds no UBMoE layer (its attention's mask check reads the mode). The state is kept on each layer, so
+    that a deep copy of the model (a TRL reference model) recomputes with its own. Hand-written: neither transformers
+    nor PEFT knows of a mode, and torch's ``context_fn`` exists only without reentrant checkpointing (and is the
+    user's to set)."""
     for layer in layers:
+        layer.__dict__["_ubmoe_mode_state"] = state
         checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
         if checkpoint is not None and not hasattr(checkpoint, "ubmoe_checkpoint"):
             layer._gradient_checkpointing_func = _in_forward_mode(checkpoint)
@@ -235,21 +250,20 @@ def _in_forward_mode(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
         # transformers checkpoints partial(forward, layer, ...) (5.x) or partial(layer.__call__, ...) (4.x)
         owner = function.args[0] if isinstance(function, functools.partial) and function.args else None
         owner = owner if isinstance(owner, nn.Module) else getattr(getattr(function, "func", None), "__self__", None)
-        # The state of the layer run, not of the model wrapped when this was installed: a deep copy shares this
-        ubmoe = [m for m in owner.modules() if isinstance(m.__dict__.get("_state"), ModeState)] if owner else []
-        if not ubmoe:
+        state = owner.__dict__.get("_ubmoe_mode_state") if isinstance(owner, nn.Module) else None
+        if state is None or state.superseded:
             return checkpoint(function, *args, **kwargs)
-        state, calls = ubmoe[0]._state, []
-        mode = state.mode
+        ubmoe = [m for m in owner.modules() if isinstance(m.__dict__.get("_state"), ModeState)]
+        settings, calls = state.forward_settings(ubmoe), []
 
-        def in_mode(*inner: Any, **options: Any) -> Any:
+        def in_forward_settings(*inner: Any, **options: Any) -> Any:
             calls.append(None)
             if len(calls) == 1:  # the forward itself
                 return function(*inner, **options)
-            with state.recompute_in(mode, ubmoe):
+            with state.recompute_in(settings, ubmoe):
                 return function(*inner, **options)
 
-        return checkpoint(in_mode, *args, **kwargs)
+        return checkpoint(in_forward_settings, *args, **kwargs)
 
     run.ubmoe_checkpoint = checkpoint  # type: ignore[attr-defined]
     return run

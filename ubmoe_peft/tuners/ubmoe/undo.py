@@ -14,6 +14,7 @@ load writes only into the new adapter's own parameters.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,10 @@ from torch import nn
 
 
 def _saved(obj: Any) -> dict[str, tuple[Any, Any]]:
-    """``obj``'s attributes, each with a shallow copy of its contents where it is a dict, set or list."""
+    """``obj``'s attributes, each with a shallow copy of its contents where it is a dict, set or list (of any
+    subclass: ``copy.copy`` keeps a defaultdict's factory, which its constructor does not take positionally)."""
     return {
-        key: (value, type(value)(value) if isinstance(value, (dict, set, list)) else None)
+        key: (value, copy.copy(value) if isinstance(value, (dict, set, list)) else None)
         for key, value in vars(obj).items()
     }
 
