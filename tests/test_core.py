@@ -245,6 +245,35 @@ def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant
     assert got_stats == stats and got_tallied == tallied
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_with_the_adapters_of_its_forward(reentrant):
+    """Two adapters in one loss (`set_adapter` between the forwards, which freezes the other) and `modules_to_save`
+    copies inside the layers under `disable_adapter()`: the recompute ran the adapters as set at backward (silently
+    wrong gradients with reentrant checkpointing) or saved fewer tensors than its forward (a CheckpointError)."""
+
+    def run(checkpointing):
+        model, _ = wrap("llama", "lora", modules_to_save=["o_proj"])
+        model.add_adapter("two", UBMoEConfig(modules_to_save=["o_proj"]))
+        perturb_adapters(model, std=0.3)
+        model.train()
+        if checkpointing is not None:
+            kwargs = {"use_reentrant": checkpointing}
+            model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        torch.manual_seed(0)
+        first = model(*batch()).logits  # (B, T, V)
+        with model.disable_adapter():
+            plain = model(*batch(seed=2)).logits  # (B, T, V)
+        model.set_adapter("two")
+        second = model(*batch(seed=1, b=2, t=5)).logits  # (B, T, V)
+        (first.square().mean() + plain.square().mean() + second.square().mean()).backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, grads = run(None), run(reentrant)
+    assert any(".modules_to_save.two." in name for name in expected) and set(grads) == set(expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5)
+
+
 # ---- routing ------------------------------------------------------------------------------------------------------
 def _merged_lora_ffn(layer: UBMoELayer, adapter: str = "default") -> torch.nn.Module:
     """Reference bi expert built another way: the FFN with W + scale * B A merged into each projection."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -93,10 +93,13 @@ class ModeState:
             with self.forward_lock:
                 self.mode = previous
 
-    def forward_settings(self, layers: list[nn.Module]) -> tuple:
-        """What a forward of these UBMoE ``layers`` depends on besides its inputs: the mode, whether adapters are
-        disabled (PEFT's ``disable_adapter()``), and each layer's active adapter."""
-        return self.mode, self.adapters_enabled, [(m, m._disable_adapters, m._active_adapter) for m in layers]
+    def forward_settings(self, owner: nn.Module) -> tuple:
+        """What a forward of decoder layer ``owner`` depends on besides its inputs: the mode, whether adapters are
+        disabled (PEFT's ``disable_adapter()``), the active adapter of each of its adapter layers (ours, and PEFT's
+        ``modules_to_save`` copies), and which parameters train (PEFT's ``set_adapter`` freezes the others: a
+        recompute that saved fewer tensors than its forward was a CheckpointError)."""
+        flagged = [m for m in owner.modules() if "_active_adapter" in vars(m)]
+        return self.mode, self.adapters_enabled, *_capture(flagged, owner.parameters())
 
     @contextmanager
     def recompute_in(self, settings: tuple, layers: list[nn.Module]) -> Iterator[None]:
@@ -106,21 +109,19 @@ class ModeState:
         silently wrong gradients with reentrant checkpointing, a CheckpointError without), with the mode-bi attention
         adapter of its UBMoE ``layers`` hooked in as in that forward. Its routing was recorded by the forward:
         recorded again it replaced the last forward's (`record`), and its mask was checked (`_check_bidirectional`)."""
-        mode, enabled, flags = settings
+        mode, enabled, flags, trainable = settings
         with self.forward_lock:  # no other forward runs meanwhile: the mode is the model's, in every thread
-            previous = self.mode, self.adapters_enabled, [(m, m._disable_adapters, m._active_adapter) for m in layers]
+            now = (self.mode, self.adapters_enabled, *_capture([m for m, *_ in flags], [p for p, _ in trainable]))
             self.mode, self.adapters_enabled, self.recomputing = mode, enabled, True
             hooked = MODES[mode].ffn == "bi"
             try:
-                for layer, disabled, active in flags:
-                    layer._disable_adapters, layer._active_adapter = disabled, active
+                _set_flags(flags, trainable)
                 for layer in layers if hooked != self.attention_hooked else []:
                     layer.set_attention_hooks(hooked)
                 yield
             finally:
-                self.mode, self.adapters_enabled, self.recomputing = previous[0], previous[1], False
-                for layer, disabled, active in previous[2]:
-                    layer._disable_adapters, layer._active_adapter = disabled, active
+                self.mode, self.adapters_enabled, self.recomputing = now[0], now[1], False
+                _set_flags(now[2], now[3])
                 for layer in layers if hooked != self.attention_hooked else []:
                     layer.set_attention_hooks(self.attention_hooked)
 
@@ -230,6 +231,19 @@ class ModeState:
         return result
 
 
+def _capture(modules: Iterable[nn.Module], parameters: Iterable[nn.Parameter]) -> tuple[list, list]:
+    """The adapter flags of ``modules`` and the ``requires_grad`` of ``parameters``, as `_set_flags` takes them."""
+    flags = [(m, getattr(m, "_disable_adapters", False), m._active_adapter) for m in modules]
+    return flags, [(p, p.requires_grad) for p in parameters]
+
+
+def _set_flags(flags: list, trainable: list) -> None:
+    for module, disabled, active in flags:
+        module._disable_adapters, module._active_adapter = disabled, active
+    for parameter, flag in trainable:
+        parameter.requires_grad_(flag)
+
+
 def recompute_in_forward_mode(layers: list[nn.Module], state: ModeState) -> None:
     """Wrap the checkpoint function transformers gave each of these decoder layers (`gradient_checkpointing_enable`)
     so that a layer's recomputation in backward runs with the settings of its forward (`ModeState.recompute_in`), also
@@ -254,7 +268,7 @@ def _in_forward_mode(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
         if state is None or state.superseded:
             return checkpoint(function, *args, **kwargs)
         ubmoe = [m for m in owner.modules() if isinstance(m.__dict__.get("_state"), ModeState)]
-        settings, calls = state.forward_settings(ubmoe), []
+        settings, calls = state.forward_settings(owner), []
 
         def in_forward_settings(*inner: Any, **options: Any) -> Any:
             calls.append(None)
