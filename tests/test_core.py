@@ -207,6 +207,16 @@ def test_new_layers_follow_the_mode_of_the_module_they_wrap():
     assert all(module.training for module in model.modules())
 
 
+def _training(model, checkpointing: bool | None) -> None:
+    """Perturbed adapters, train mode, and gradient checkpointing (reentrant or not; None: off); seeds the dropout."""
+    perturb_adapters(model, std=0.3)
+    model.train()
+    if checkpointing is not None:
+        kwargs = {"use_reentrant": checkpointing}
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    torch.manual_seed(0)
+
+
 @pytest.mark.parametrize("expert", EXPERTS)
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant):
@@ -218,12 +228,7 @@ def test_checkpointing_recomputes_each_forward_in_its_own_mode(expert, reentrant
 
     def run(checkpointing):
         model, _ = wrap("llama", expert, attention_r=4, layers_to_transform=[1] if expert == "copy" else None)
-        perturb_adapters(model, std=0.3)
-        model.train()
-        if checkpointing is not None:
-            kwargs = {"use_reentrant": checkpointing}
-            model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        torch.manual_seed(0)
+        _training(model, checkpointing)
         with ubmoe_peft.track_routing(model) as tally:
             with ubmoe_peft.use_mode(model, "bi"):
                 embedded = model(*batch(b=3, t=9), output_hidden_states=True).hidden_states[-1]  # (B, T, C)
@@ -254,12 +259,7 @@ def test_checkpointing_recomputes_with_the_adapters_of_its_forward(reentrant):
     def run(checkpointing):
         model, _ = wrap("llama", "lora", modules_to_save=["o_proj"])
         model.add_adapter("two", UBMoEConfig(modules_to_save=["o_proj"]))
-        perturb_adapters(model, std=0.3)
-        model.train()
-        if checkpointing is not None:
-            kwargs = {"use_reentrant": checkpointing}
-            model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        torch.manual_seed(0)
+        _training(model, checkpointing)
         first = model(*batch()).logits  # (B, T, V)
         with model.disable_adapter():
             plain = model(*batch(seed=2)).logits  # (B, T, V)
