@@ -39,7 +39,7 @@ from .checks import (
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported
 from .lora import column_major
-from .state import ModeState, allowed_pairs, recompute_in_forward_mode, superseded_error
+from .state import ModeState, allowed_pairs, forget_parts, recompute_in_forward_mode, superseded_error
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -121,6 +121,7 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
+        forget_parts(self._decoder_layers if hasattr(self, "_decoder_layers") else [])  # new layers and adapters
 
     def _take_over(self, model: nn.Module, adapter_name: str) -> None:
         """Make UBMoE layers of an earlier PeftModel on this same base follow this model.
@@ -178,6 +179,10 @@ class UBMoEModel(BaseTuner):
         # Dtypes are chosen when experts are built: LoRA in fp32, copies in the base's (compute) dtype, the router in
         # config.router_dtype. PEFT's blanket fp32 upcast would break a bf16 copy expert's forward.
         return None
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        super().delete_adapter(adapter_name)
+        forget_parts(self._decoder_layers)  # they held the deleted adapter's modules
 
     def add_weighted_adapter(self, adapters: Any, weights: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
         """Not supported (it failed with a bare AttributeError): PEFT's LoRA combines adapters' low-rank updates, but
@@ -524,6 +529,7 @@ class UBMoEModel(BaseTuner):
         SentenceTransformer made from it embedded silently with the base model)."""
         self._ubmoe_state.superseded = "unloaded"
         self._remove_hooks(every_tuner=True)
+        forget_parts(self._decoder_layers, state=True)  # kept, the parts held the UBMoE layers (and copies) alive
         for name, module in list(self.model.named_modules()):
             if isinstance(module, UBMoELayer):
                 module.remove_attention_hooks()

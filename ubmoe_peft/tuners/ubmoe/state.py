@@ -93,13 +93,12 @@ class ModeState:
             with self.forward_lock:
                 self.mode = previous
 
-    def forward_settings(self, owner: nn.Module) -> tuple:
-        """What a forward of decoder layer ``owner`` depends on besides its inputs: the mode, whether adapters are
-        disabled (PEFT's ``disable_adapter()``), the active adapter of each of its adapter layers (ours, and PEFT's
-        ``modules_to_save`` copies), and which parameters train (PEFT's ``set_adapter`` freezes the others: a
-        recompute that saved fewer tensors than its forward was a CheckpointError)."""
-        flagged = [m for m in owner.modules() if "_active_adapter" in vars(m)]
-        return self.mode, self.adapters_enabled, *_capture(flagged, owner.parameters())
+    def forward_settings(self, flagged: list[nn.Module], parameters: list[nn.Parameter]) -> tuple:
+        """What a forward of a decoder layer depends on besides its inputs: the mode, whether adapters are disabled
+        (PEFT's ``disable_adapter()``), the active adapter of each of its adapter layers ``flagged`` (ours, and PEFT's
+        ``modules_to_save`` copies), and which of its ``parameters`` train (PEFT's ``set_adapter`` freezes the
+        others: a recompute that saved fewer tensors than its forward was a CheckpointError)."""
+        return self.mode, self.adapters_enabled, *_capture(flagged, parameters)
 
     @contextmanager
     def recompute_in(self, settings: tuple, layers: list[nn.Module]) -> Iterator[None]:
@@ -258,6 +257,28 @@ def recompute_in_forward_mode(layers: list[nn.Module], state: ModeState) -> None
             layer._gradient_checkpointing_func = _in_forward_mode(checkpoint)
 
 
+def _parts(owner: nn.Module, state: ModeState) -> tuple[list, list, list]:
+    """The UBMoE layers, the adapter layers (with ``_active_adapter``) and the parameters of decoder layer ``owner``,
+    kept on it until adapters or layers change (`forget_parts`): walking its modules at every training forward cost
+    about 0.1 ms per layer (8 ms at 30 layers on a loaded 2-core VM)."""
+    kept = owner.__dict__.get("_ubmoe_parts")
+    if kept is None or kept[0] is not state:  # (a base wrapped again: another model's state)
+        modules = list(owner.modules())
+        ubmoe = [m for m in modules if isinstance(m.__dict__.get("_state"), ModeState)]
+        flagged = [m for m in modules if "_active_adapter" in m.__dict__]
+        kept = owner.__dict__["_ubmoe_parts"] = (state, ubmoe, flagged, list(owner.parameters()))
+    return kept[1:]
+
+
+def forget_parts(layers: list[nn.Module], state: bool = False) -> None:
+    """Drop what `_parts` kept on these decoder layers (adapters or layers came or went; it also kept deleted ones
+    alive), and with ``state`` the model's state too (unloaded: the layers' checkpoint runs as transformers' own)."""
+    for layer in layers:
+        layer.__dict__.pop("_ubmoe_parts", None)
+        if state:
+            layer.__dict__.pop("_ubmoe_mode_state", None)
+
+
 def _in_forward_mode(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(checkpoint)
     def run(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -267,8 +288,8 @@ def _in_forward_mode(checkpoint: Callable[..., Any]) -> Callable[..., Any]:
         state = owner.__dict__.get("_ubmoe_mode_state") if isinstance(owner, nn.Module) else None
         if state is None or state.superseded:
             return checkpoint(function, *args, **kwargs)
-        ubmoe = [m for m in owner.modules() if isinstance(m.__dict__.get("_state"), ModeState)]
-        settings, calls = state.forward_settings(owner), []
+        ubmoe, flagged, parameters = _parts(owner, state)
+        settings, calls = state.forward_settings(flagged, parameters), []
 
         def in_forward_settings(*inner: Any, **options: Any) -> Any:
             calls.append(None)
