@@ -274,19 +274,30 @@ def test_checkpointing_recomputes_with_the_adapters_of_its_forward(reentrant):
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5)
 
 
-def test_checkpointing_keeps_no_deleted_or_unloaded_layer_alive():
+def test_checkpointing_keeps_no_deleted_or_unloaded_layer_alive(tmp_path):
     """The recompute keeps each decoder layer's UBMoE layers and parameters on it (walking them at every training
-    forward cost 8 ms at 30 layers); deleting an adapter or unloading drops them, or a copy expert's weights stayed
-    alive in the merged model."""
+    forward cost 8 ms at 30 layers). Deleting an adapter, loading one (PEFT may assign new parameters), wrapping the
+    base again (which drops the earlier adapter) or unloading drops them: a copy expert's weights stayed alive."""
     model, _ = wrap("llama", "copy")
     model.add_adapter("two", UBMoEConfig(expert_type="copy"))
     _training(model, False)
     layers = model.base_model._decoder_layers
-    model(*batch()).logits.square().mean().backward()
-    assert all("_ubmoe_parts" in layer.__dict__ for layer in layers)
+
+    def step_then_kept() -> bool:
+        model(*batch()).logits.square().mean().backward()
+        return all("_ubmoe_parts" in layer.__dict__ for layer in layers)
+
+    assert step_then_kept()
     model.delete_adapter("two")
     assert not any("_ubmoe_parts" in layer.__dict__ for layer in layers)
-    model(*batch()).logits.square().mean().backward()
+    assert step_then_kept()
+    model.save_pretrained(tmp_path)
+    model.load_adapter(tmp_path, "default", is_trainable=True, low_cpu_mem_usage=True)
+    assert not any("_ubmoe_parts" in layer.__dict__ for layer in layers)
+    assert step_then_kept()
+    model = PeftModel.from_pretrained(model.get_base_model(), tmp_path, is_trainable=True)
+    assert not any("_ubmoe_parts" in layer.__dict__ for layer in layers)
+    assert step_then_kept()
     merged = model.merge_and_unload(target="bi")
     assert not [key for layer in layers for key in layer.__dict__ if key.startswith("_ubmoe")]
     assert not any(isinstance(m, UBMoELayer) for m in merged.modules())

@@ -121,7 +121,7 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
-        forget_parts(self._decoder_layers if hasattr(self, "_decoder_layers") else [])  # new layers and adapters
+        forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
 
     def _take_over(self, model: nn.Module, adapter_name: str) -> None:
         """Make UBMoE layers of an earlier PeftModel on this same base follow this model.
@@ -234,6 +234,7 @@ class UBMoEModel(BaseTuner):
         )
         remapped = _drop_saved_copy_duplicates(remapped, adapter_name)
         check_checkpoint(model, config, adapter_name, remapped)
+        forget_parts(model.modules())  # PEFT may assign new parameters (low_cpu_mem_usage): not the ones kept
         widen_quantized_copies(model, remapped)
         # Where PEFT assigns the loaded tensors instead of copying them into the parameters (low_cpu_mem_usage): each
         # in its parameter's dtype (a bf16 file kept the routers bf16, a copy expert of another dtype failed in its

@@ -270,7 +270,7 @@ def _parts(owner: nn.Module, state: ModeState) -> tuple[list, list, list]:
     return kept[1:]
 
 
-def forget_parts(layers: list[nn.Module], state: bool = False) -> None:
+def forget_parts(layers: Iterable[nn.Module], state: bool = False) -> None:
     """Drop what `_parts` kept on these decoder layers (adapters or layers came or went; it also kept deleted ones
     alive), and with ``state`` the model's state too (unloaded: the layers' checkpoint runs as transformers' own)."""
     for layer in layers:
