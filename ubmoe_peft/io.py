@@ -530,28 +530,22 @@ def _wrap_load_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             ubmoe = getattr(existing, "peft_type", None) == UBMOE_TYPE and folder is not None
             if ubmoe and not own_config and is_ubmoe_folder(folder):
                 _check_same_settings(existing, folder, adapter_name)
-            active = getattr(self, "active_adapter", None)
+            from .tuners.ubmoe.model import UBMoEModel
+            from .tuners.ubmoe.undo import snapshot
+
+            # The files are checked as PEFT loads their weights, after the new adapter's layers exist: a refused
+            # load left that never-loaded adapter in the model (set_adapter ran it, save_pretrained saved it).
+            restore = snapshot(self, UBMoEModel.hook_owners(self))
             try:
                 return original(self, model_id, adapter_name, *args, **kwargs)
             except BaseException:
-                # The files are checked as PEFT loads their weights, after the new adapter's layers exist: a refused
-                # load left that never-loaded adapter in the model (set_adapter ran it, save_pretrained saved it).
-                if existing is None and adapter_name in getattr(self, "peft_config", {}):
-                    _drop_new_adapter(self, adapter_name, active)
+                restore()
                 raise
         finally:
             _OWN_CONFIG.reset(token)
 
     load_adapter._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return load_adapter
-
-
-def _drop_new_adapter(model: Any, adapter_name: str, active: str | None) -> None:
-    """Remove the adapter a refused `load_adapter` had added, as PEFT's own delete_adapter does, and make ``active``
-    the active adapter again."""
-    if getattr(model, "active_adapter", None) == adapter_name and active in model.peft_config:
-        model.set_adapter(active)
-    model.delete_adapter(adapter_name)
 
 
 def _refuse_disk_offload(model: Any, model_id: Any, folder: str | None) -> None:

@@ -1,11 +1,12 @@
-"""Put a wrapped base back as it was when a `PeftModel.from_pretrained` onto it is refused.
+"""Put a model back as it was when a `PeftModel.from_pretrained` onto it, or a `load_adapter` into it, is refused.
 
 Loading onto a base that an earlier UBMoE model wraps changes that model in place before the files can be checked:
 PEFT writes the new adapter's config into the shared ``peft_config``, `UBMoEModel._take_over` moves the layers to the
 new model and drops the earlier adapter of that name, and the new layers and hooks come in. The weights are checked
 only as PEFT loads them, after all that (their shapes against the layers built). A refused load (a damaged file, in
 the README's own ``save_pretrained(d); PeftModel.from_pretrained(base, d)``) left the earlier, trained model with a
-fresh adapter and refusing every call. Neither PEFT nor torch can undo an injection, so this records what those
+fresh adapter and refusing every call; a refused ``load_adapter`` under a new name left that never-loaded adapter
+in the model. Neither PEFT nor torch can undo an injection, so this records what those
 steps change - every module's attributes (children, adapter dicts, hook tables, flags), the parameters'
 ``requires_grad``, the mode states and the earlier tuners' hook handles - and writes it back, in place (the containers
 are shared: the earlier tuner and the base hold the same ``peft_config`` dict). Tensors are kept by reference: the
