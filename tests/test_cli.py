@@ -243,6 +243,18 @@ def test_a_folder_of_data_files_reads_every_file_by_the_files_rules(files, tmp_p
     assert load_rows(str(split), "sts", split="validation")["sentence1"] == ["dev.tsv"]
     with pytest.raises(ValueError, match=r"--split 'test': data folder .* holds the splits \['train', 'validation'\]"):
         load_rows(str(split), "sts", split="test")
+    whole = tmp_path / "whole"  # one file's scores all whole numbers (int64) beside float64 were refused
+    whole.mkdir()
+    (whole / "a.tsv").write_text(header + "a\tb\t4.5\n")
+    (whole / "b.tsv").write_text(header + "c\td\t5\n")
+    (whole / "c.tsv").write_text(header + "e\tf\t3\n")
+    assert load_rows(str(whole), "sts")["score"] == [4.5, 5.0, 3.0]
+    (whole / "c.tsv").write_text("sentence1\tsentence2\tlabel\ne\tf\t3\n")
+    with pytest.raises(ValueError, match="'a.tsv' and 'c.tsv' differ in columns or types"):
+        load_rows(str(whole), "sts")
+    (tmp_path / "header.tsv").write_text(header)  # "Instruction 'train' corresponds to no data", and a suffix hint
+    with pytest.raises(ValueError, match=r"Data file '.*header.tsv' holds no rows"):
+        load_rows(str(tmp_path / "header.tsv"), "sts")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")  # a raw StopIteration traceback from inside datasets
     with pytest.raises(ValueError, match=r"Data file '.*empty.jsonl' is empty"):
@@ -448,6 +460,14 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
         (["eval-sts", "--data", "{sts}", "--max_length", "3"], ValueError, "max_length=3 leaves no room for the text"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{model}"], ValueError, "without adapter_config.*as --model"),
         (["eval-sts", "--data", "{sts}", "--adapter", "{bad}"], ValueError, "folder without adapter_config.json"),
+        (["export", "--adapter", "{lora}/adapter_config.json", "--output_dir", "x"], ValueError, "is a file; .*its"),
+        # the run's --output_dir instead of a checkpoint in it: its checkpoints were read as adapter names
+        (
+            ["train-router", "--adapter", "a", "--resume_from_checkpoint", "{bad}/run"],
+            ValueError,
+            r"holds the checkpoints \['checkpoint-2', 'checkpoint-10'\]: pass the last, .*run/checkpoint-10",
+        ),
+        (["train-contrastive", "--resume_from_checkpoint", "{bad}"], ValueError, "not a checkpoint .*Pass a checkp"),
         (["eval-lm", "--data", "missing.txt", "--modes", "uni", "bi"], ValueError, "mode 'bi' are meaningless"),
         (["dependence", "--data", "missing.txt", "--modes", "up"], ValueError, r"--modes \['up'\] unknown"),
         (["train-contrastive", "--per_device_train_batch_size", "0"], ValueError, "batch_size=0 must be a positive"),
@@ -512,6 +532,9 @@ def test_bad_input_is_named_with_the_fix(files, tmp_path, argv, error, message):
     blank_turn = {"messages": [{"role": "user", "content": w(3)}, {"role": "assistant", "content": " "}]}
     (bad / "blank_turn.jsonl").write_text(json.dumps(blank_turn) + "\n")
     (bad / "m.gguf").write_bytes(b"GGUF")
+    for step in (2, 10):
+        (bad / "run" / f"checkpoint-{step}").mkdir(parents=True)
+        (bad / "run" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
     (bad / "ckpt" / "ubmoe_adapter").mkdir(parents=True)  # a stage-1 (sentence-transformers) checkpoint
     (bad / "ckpt" / "config.json").write_text("{}")
     (bad / "ckpt" / "ubmoe_adapter" / "adapter_config.json").write_text("{}")
@@ -609,6 +632,51 @@ def test_an_output_folder_that_is_not_writable_is_named_before_anything_runs(tmp
     (tmp_path / "sub" / "link.json").symlink_to(tmp_path / "missing" / "results.json")  # the link's folder exists
     with pytest.raises(ValueError, match="folder '.*missing' does not exist"):
         EvalArgs(output=str(tmp_path / "sub" / "link.json"))
+
+
+def test_a_training_output_folder_that_is_not_writable_is_named_before_anything_runs(tmp_path, monkeypatch):
+    """transformers failed to make it after the model and data had loaded, as a raw PermissionError."""
+    from ubmoe_peft.cli import _check_adapter_output
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real(p, mode))
+    with pytest.raises(ValueError, match=r"--output_dir '.*stage1' cannot be written: .* is not writable"):
+        _check_adapter_output(str(tmp_path / "runs" / "stage1"))
+
+
+def test_device_cpu_reaches_the_trainer(files, tmp_path, monkeypatch):
+    """transformers' Trainer moves the model to its own device, the current CUDA device wherever there is one, so
+    --device cpu trained on the GPU; and a --device the trainer would not train on is refused."""
+    from ubmoe_peft import trainers
+    from ubmoe_peft.cli import _trained_on
+    from ubmoe_peft.trainers import RouterConfig
+
+    seen = []
+    original = trainers.ContrastiveTrainer.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs["args"].use_cpu)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.ContrastiveTrainer, "__init__", spy)
+    run(["train-contrastive", "--model", files["model"], "--data", files["triplets"], "--max_steps", "1",
+         "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "s1"), "--device", "cpu"])  # fmt: skip
+    assert seen == [True]
+    config = RouterConfig(output_dir=str(tmp_path / "s2"), max_steps=3)
+    assert _trained_on(None, config) is config
+    moved = _trained_on("cpu", config)
+    assert moved.use_cpu and moved.device.type == "cpu" and moved.max_steps == 3
+    with pytest.raises(ValueError, match="--device 'mps:1': the trainer trains on cpu .*CUDA_VISIBLE_DEVICES=1"):
+        _trained_on("mps:1", moved)
+
+
+def test_stage_1_with_its_own_prompt_and_pooling_says_to_embed_with_them(files, tmp_path, capsys):
+    """eval-sts embeds with the paper's prompt and mean pooling unless told: a stage 1 trained otherwise scored
+    lower under them, without a word."""
+    run(["train-contrastive", "--model", files["model"], "--data", files["triplets"], "--max_steps", "1",
+         "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "s1"), "--prompt", "none",
+         "--pooling", "lasttoken"])  # fmt: skip
+    assert "trained with --prompt none --pooling lasttoken: pass the same to eval-sts" in capsys.readouterr().out
 
 
 def test_the_next_command_keeps_the_model_options():

@@ -190,6 +190,81 @@ def test_disable_adapter_leaves_the_stage_and_frozen_adapters_as_they_were(tmp_p
     assert torch.equal(model(*batch()).logits, before)  # same dropout (none on a frozen LoRA expert)
 
 
+def test_trainability_set_while_adapters_are_disabled_is_kept_on_enabling():
+    """Enabling adapters restores the trainability that disabling found, but set_adapter, set_stage and
+    set_requires_grad inside `disable_adapter()` were then undone: the new active adapter was frozen and the old one
+    trained, a stage router trained its experts, a frozen adapter was unfrozen."""
+
+    def trainable(model):
+        return {n.split("base_model.model.")[-1] for n, p in model.named_parameters() if p.requires_grad}
+
+    model, _ = wrap()
+    model.add_adapter("copy", UBMoEConfig(expert_type="copy"))
+    with model.disable_adapter():
+        model.set_adapter("copy")
+    names = trainable(model)
+    assert names and all(".copy." in n for n in names)
+    assert any("ubmoe_copy.copy" in n for n in names) and any("ubmoe_router.copy" in n for n in names)
+
+    model, _ = wrap()
+    with model.disable_adapter():
+        ubmoe_peft.set_stage(model, "router")
+    assert ubmoe_peft.get_mode(model) == "moe"
+    names = trainable(model)
+    assert names and all("ubmoe_router.default" in n for n in names)
+
+    model, _ = wrap()
+    with model.disable_adapter():
+        model.set_requires_grad("default", False)
+    assert not trainable(model)
+    with model.disable_adapter():  # and with nothing set inside, what disabling found comes back
+        pass
+    assert not trainable(model)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gate_proj", "0", "layers", "weight", "ubmoe_router", "a.b"])
+def test_an_adapter_named_like_a_part_of_the_keys_is_refused(tmp_path, name):
+    """PEFT saves one adapter by dropping every key that holds another adapter's name as a dotted part; UBMoE keys
+    hold the base's module path, so a second adapter named "mlp" made save_pretrained write 0 of the first
+    adapter's 14 tensors, without a word (its reload was then refused as another adapter's)."""
+    model, _ = wrap()
+    with pytest.raises(ValueError, match=f"Adapter name {name!r}.*Choose another name"):
+        model.add_adapter(name, UBMoEConfig(expert_type="copy"))
+    assert list(model.peft_config) == ["default"]
+    with pytest.raises(ValueError, match=f"Adapter name {name!r}"):
+        get_peft_model(tiny_model(), UBMoEConfig(), adapter_name=name)
+    model.add_adapter("chat", UBMoEConfig(expert_type="copy"))  # a name that is no part of the keys
+    perturb_adapters(model)
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path).eval()
+    ids, mask = batch()
+    assert torch.equal(logits(reloaded, ids, mask), logits(model.eval(), ids, mask))
+
+
+def test_a_forward_with_adapter_weights_never_loaded_is_refused():
+    """`get_peft_model(..., low_cpu_mem_usage=True)` makes the adapter on the meta device; a forward before its
+    weights were loaded computed on uninitialised memory (torch's linear with a meta weight), and generate ran."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    trained, _ = wrap()
+    perturb_adapters(trained)
+    model = get_peft_model(tiny_model(), UBMoEConfig(), low_cpu_mem_usage=True).eval()
+    ids, mask = batch()
+    for mode in ("moe", "bi"):
+        ubmoe_peft.set_mode(model, mode)
+        with pytest.raises(RuntimeError, match="meta device .*set_peft_model_state_dict"):
+            logits(model, ids, mask)
+    ubmoe_peft.set_mode(model, "moe")
+    with pytest.raises(RuntimeError, match="meta device"):
+        model.generate(input_ids=ids[:1, :3], max_new_tokens=2, do_sample=False)
+    ubmoe_peft.set_mode(model, "uni")
+    assert torch.isfinite(logits(model, ids, mask)).all()  # the base model needs no adapter weights
+    set_peft_model_state_dict(model, get_peft_model_state_dict(trained), low_cpu_mem_usage=True)
+    for mode in MODES:
+        ubmoe_peft.set_mode(model, mode), ubmoe_peft.set_mode(trained, mode)
+        assert torch.equal(logits(model, ids, mask), logits(trained.eval(), ids, mask))
+
+
 def test_new_layers_follow_the_mode_of_the_module_they_wrap():
     """A new module starts in training mode: UBMoE layers made on a base in eval mode (as from_pretrained returns it),
     or by add_adapter after model.eval() on layers the first adapter does not wrap, ran their LoRA dropout at
@@ -1211,12 +1286,18 @@ def test_another_peft_method_on_a_ubmoe_model_is_refused_and_a_peft_model_is_no_
 
 # ---- multiple adapters --------------------------------------------------------------------------------------------
 def test_adapter_names_that_are_module_names(tmp_path):
-    """An adapter named "mlp": its ModuleDict entries ("...mlp.ubmoe_lora_A.mlp") were taken for FFNs by every later
-    adapter with the default targets, which then failed as "a single linear layer"."""
+    """An adapter named "mlp" (its ModuleDict entries "...mlp.ubmoe_lora_A.mlp" were also taken for FFNs by every
+    later adapter) is refused as it loads, leaving the base as it was; a load under another name works."""
     get_peft_model(tiny_model("llama"), UBMoEConfig()).save_pretrained(tmp_path)
-    model = PeftModel.from_pretrained(tiny_model("llama"), tmp_path, adapter_name="mlp")
+    base = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"Adapter name 'mlp' is a part of this model's parameter names"):
+        PeftModel.from_pretrained(base, tmp_path, adapter_name="mlp")
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+    model = PeftModel.from_pretrained(base, tmp_path, adapter_name="first")
+    with pytest.raises(ValueError, match=r"Adapter name 'layers' is a part"):
+        model.load_adapter(tmp_path, adapter_name="layers")
     model.load_adapter(tmp_path, adapter_name="second")
-    assert all(set(layer.ubmoe_router) == {"mlp", "second"} for layer in layers(model))
+    assert all(set(layer.ubmoe_router) == {"first", "second"} for layer in layers(model))
     with pytest.raises(ValueError, match=r"Adapter name 'lm_head' ends with the modules_to_save entry 'lm_head'"):
         model.add_adapter("lm_head", UBMoEConfig(modules_to_save=["lm_head"]))
 
@@ -1294,6 +1375,29 @@ def test_delete_adapter_frees_its_modules_after_a_decode_step(expert):
     model.delete_adapter("big")
     gc.collect()
     assert freed() is None and not any("big" in lay._plans for lay in layers(model))
+
+
+def test_a_take_over_frees_the_earlier_models_state(tmp_path):
+    """A training forward with gradient checkpointing keeps the model's mode state on each decoder layer (for the
+    recompute); after `from_pretrained(base, d)` took the base over, that earlier state, with its last batch's routing
+    and mask, stayed alive on the layers until the new model's first training forward."""
+    import gc
+    import weakref
+
+    model, _ = wrap()
+    model.get_base_model().gradient_checkpointing_enable()
+    model.train()
+    model(*batch()).logits.sum().backward()
+    model.save_pretrained(tmp_path)
+    state = weakref.ref(model.base_model._ubmoe_state)
+    base = model.get_base_model()
+    new = PeftModel.from_pretrained(base, tmp_path)
+    del model
+    gc.collect()
+    assert state() is None
+    new.train()
+    new(*batch()).logits.sum().backward()  # and the new model's own checkpointed training runs
+    assert all(layer.__dict__["_ubmoe_mode_state"] is new.base_model._ubmoe_state for layer in base.model.layers)
 
 
 def test_layers_to_transform_wraps_only_those_layers():

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
 
 import ubmoe_peft
-from ubmoe_peft import UBMoEConfig
+from ubmoe_peft import UBMoEConfig, UBMoELayer
 from ubmoe_peft.tuners.ubmoe.bnb import backend_for, dequantized_weight, is_quantized_linear
 
 bnb = pytest.importorskip("bitsandbytes")  # a dev dependency; CI installs it (pip install ubmoe-peft[dev])
@@ -415,6 +415,21 @@ def test_merge_into_a_quantized_base_is_refused_before_any_change(saved_dirs, ex
     fresh = get_peft_model(load_quantized(saved_dirs[128], "nf4-bf16-dq"), UBMoEConfig(expert_type=expert))
     with pytest.raises(ValueError, match=r"Cannot export to a MoE model: \d+ layers are quantized .*without quant"):
         fresh.merge_and_unload()  # zero routers never read the bi expert, so the FFN check was never reached
+
+
+@pytest.mark.parametrize("quant", ["nf4-bf16-dq", "int8"])
+def test_modules_to_save_naming_a_quantized_layer_is_refused_before_any_change(saved_dirs, quant):
+    """PEFT copies a modules_to_save module and makes its weights trainable: on a packed bitsandbytes weight that
+    failed with "only Tensors of floating point dtype can require gradients", after the UBMoE layers were built in
+    the caller's base and its embeddings and norms frozen."""
+    base = load_quantized(saved_dirs[128], quant)
+    trainable = {n for n, p in base.named_parameters() if p.requires_grad}
+    with pytest.raises(ValueError, match=r"'o_proj'.*quantized linear layer.*llm_int8_skip_modules"):
+        get_peft_model(base, UBMoEConfig(modules_to_save=["o_proj"]))
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+    assert {n for n, p in base.named_parameters() if p.requires_grad} == trainable
+    model = get_peft_model(base, UBMoEConfig(modules_to_save=["embed_tokens"]))  # a float module is fine
+    assert any(isinstance(m, UBMoELayer) for m in model.modules())
 
 
 def test_router_trainer_on_a_4bit_base_keeps_the_router_dtype(saved_dirs, tmp_path):

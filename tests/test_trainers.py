@@ -147,6 +147,46 @@ def test_router_trainer_trains_only_the_routers_and_logs_bi_share(tokenizer, tmp
     assert ubmoe_peft.routing_stats(model)  # the last step's per-layer shares are there too
 
 
+@pytest.mark.parametrize("precompute", [False, True])
+def test_trl_dpo_on_a_stage_router_model_trains_only_the_routers(tokenizer, tmp_path, precompute):
+    """TRL's DPO (also KTO, GRPO, RLOO) copies the adapter as a frozen "ref" and calls set_adapter("ref") and
+    set_adapter("default") around every reference forward. PEFT's set_adapter made all of "default" trainable, so
+    from then on DPO trained the experts too (in __init__ with precomputed reference log-probs) and their gradients
+    counted in the clipped grad norm."""
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    class Grads(TrainerCallback):
+        seen: set[str] = set()
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.seen |= {n for n, p in model.named_parameters() if p.grad is not None}
+
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    _trained_experts(model)
+    ubmoe_peft.set_stage(model, "router")
+    data = Dataset.from_dict(
+        {
+            "prompt": [w(i, i + 1, i + 2) for i in range(3, 19)],
+            "chosen": [w(i + 3, i + 4) for i in range(3, 19)],
+            "rejected": [w(i + 9, i + 5) for i in range(3, 19)],
+        }
+    )
+    args = DPOConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none", save_strategy="no",
+        learning_rate=1e-2, disable_dropout=False, precompute_ref_log_probs=precompute, use_cpu=True,
+    )  # fmt: skip
+    before = _snapshot(model)
+    grads = Grads()
+    trainer = DPOTrainer(model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[grads])
+    trainer.train()
+    routers = {n for n in before if ".ubmoe_router.default." in n}
+    assert grads.seen == routers
+    assert {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])} == routers
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == routers
+    assert ubmoe_peft.get_mode(model) == "moe"
+
+
 def test_router_trainer_predict_leaves_nothing_to_the_next_evaluate(tokenizer, tmp_path):
     """TRL empties its per-batch metrics only when it logs, which predict() never does: the next evaluate() averaged
     the predicted batches into its eval_bi_share."""

@@ -336,6 +336,11 @@ def _adapter_config(adapter: str) -> Any:
     from peft import PeftConfig
 
     folder = Path(adapter)
+    if folder.is_file():
+        raise ValueError(
+            f"--adapter {adapter!r} is a file; an adapter is the folder that holds adapter_config.json and the "
+            f"weights. Pass its folder: --adapter {shlex.quote(str(folder.parent))}."
+        )
     if folder.is_dir() and not (folder / "adapter_config.json").is_file():
         inner = folder / "ubmoe_adapter"  # a stage-1 checkpoint (sentence-transformers); a named adapter in a subfolder
         saved = [inner, *sorted(inner.glob("*"))] if inner.is_dir() else []
@@ -419,6 +424,24 @@ def _check_layers(args: ModelArgs, layers: list[int] | None) -> None:
         )
 
 
+def _trained_on(device: str | None, config: Any) -> Any:
+    """``config`` training on ``--device``: transformers' Trainer moves the model to its own device (the current CUDA
+    device wherever there is one), so ``--device cpu`` trained on the GPU until it reached ``use_cpu``."""
+    if device is None:
+        return config
+    wanted = torch.device(device)
+    if wanted.type == "cpu":
+        return config if config.use_cpu else dataclasses.replace(config, use_cpu=True)
+    chosen = config.device
+    if wanted.type != chosen.type or (wanted.index is not None and wanted.index != (chosen.index or 0)):
+        raise ValueError(
+            f"--device {device!r}: the trainer trains on {chosen} (transformers' TrainingArguments picks the device). "
+            f"To train on another GPU, make it the one visible: CUDA_VISIBLE_DEVICES={wanted.index or 0} ubmoe ... "
+            f"--device {wanted.type}."
+        )
+    return config
+
+
 def _check_adapter_output(output_dir: str) -> None:
     """Adapters are saved to a folder of their own, never into a model's folder (see `_check_model_folder`), and
     never over an adapter saved before (a training run would replace it without a word)."""
@@ -430,6 +453,11 @@ def _check_adapter_output(output_dir: str) -> None:
     if not existing.is_dir():  # found only after the model and data had loaded, as a raw "File exists"
         raise ValueError(
             f"--output_dir {output_dir!r} cannot be a folder: {str(existing)!r} is a file. Choose another folder."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):  # likewise, as a raw PermissionError
+        raise ValueError(
+            f"--output_dir {output_dir!r} cannot be written: {str(existing)!r} is not writable. Choose a folder you "
+            "can write to."
         )
     if (Path(output_dir) / "config.json").exists():
         raise ValueError(
@@ -456,7 +484,12 @@ def _removed_if_left_empty(output_dir: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if not existed and folder.is_dir() and not any(p.is_file() for p in folder.rglob("*")):
+        # PEFT writes the model card first: a save that failed (a full disk) left it alone
+        if (
+            not existed
+            and folder.is_dir()
+            and not any(p.is_file() and p.name != "README.md" for p in folder.rglob("*"))
+        ):
             shutil.rmtree(folder, ignore_errors=True)
         raise
 
@@ -469,6 +502,18 @@ def _resume(config: Any) -> str | None:
             f"--resume_from_checkpoint {folder!r} is not a folder. Pass a checkpoint-<step> folder that training "
             f"saved (with --save_strategy steps) in its --output_dir."
         )
+    if folder is not None and not (Path(folder) / "trainer_state.json").is_file():  # every checkpoint holds one
+        held = sorted(
+            (p for p in Path(folder).glob("checkpoint-*") if (p / "trainer_state.json").is_file()),
+            key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1,
+        )
+        hint = (
+            f"It holds the checkpoints {[p.name for p in held]}: pass the last, --resume_from_checkpoint "
+            f"{shlex.quote(str(held[-1]))}."
+            if held
+            else "Pass a checkpoint-<step> folder that training saved (with --save_strategy steps) in its --output_dir."
+        )
+        raise ValueError(f"--resume_from_checkpoint {folder!r} is not a checkpoint (no trainer_state.json). {hint}")
     return folder
 
 
@@ -589,6 +634,7 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
     _check_adapter_output(config.output_dir)
     resume = _resume(config)
     check_report_to(config)
+    config = _trained_on(model_args.device, config)
     if model_args.adapter is None:
         UBMoEConfig(**settings)  # a bad new-adapter option is refused before the data and the model load
         _check_layers(model_args, settings["layers_to_transform"])
@@ -615,6 +661,9 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
     following = _next(model_args, "train-router", config, own_data=data.data is not None)
     label = "Next (CHATS: your chat data, a file or hub dataset id)" if data.data is not None else "Next"
     print(f"Saved the UBMoE adapter to {config.output_dir}. {label}: {following}")
+    if config.prompt != EmbedArgs.prompt or config.pooling != EmbedArgs.pooling:  # the adapter does not hold them
+        embed = f"--prompt {shlex.quote(config.prompt or 'none')} --pooling {shlex.quote(config.pooling)}"
+        print(f"Its embeddings were trained with {embed}: pass the same to eval-sts (its defaults are the paper's).")
     return config.output_dir
 
 
@@ -645,6 +694,7 @@ def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
     _check_adapter_output(config.output_dir)
     check_report_to(config)
+    config = _trained_on(model_args.device, config)
     rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config, config.dataset_text_field)
     eval_rows = data.eval_rows("sft", config, rows, config.dataset_text_field)
     config.dataset_text_field = "text"  # load_rows named the column so

@@ -167,6 +167,8 @@ def _read_file(path: Path) -> Any:
         rows = load_dataset(loader, data_files=str(path), split="train", **extra)
     except (DatasetGenerationError, StopIteration, ValueError) as err:  # pandas' and pyarrow's errors are ValueErrors
         cause = err.__cause__ or err
+        if "corresponds to no data" in str(cause):  # datasets' words for a file without rows (a header alone)
+            raise ValueError(f"Data file {str(path)!r} holds no rows. Pass a file that holds data.") from err
         raise ValueError(
             f"Cannot read data file {str(path)!r} as {_FORMATS[loader]} ({type(cause).__name__}: {cause}). Fix the "
             "file, or give it the suffix of its format."
@@ -217,16 +219,42 @@ def _read_folder(path: Path) -> dict[str, Any]:
     splits = {}
     for name, files in by_split.items():
         parts = [(f, _read_file(f)) for f in files]
-        first, rows = parts[0]
+        (first, rows), features = parts[0], parts[0][1].features
         for file, other in parts[1:]:
-            if other.features != rows.features:
+            common = _common_features(features, other.features)  # e.g. one file's scores all whole numbers
+            if common is None:
                 raise ValueError(
                     f"Data folder {str(path)!r}: {str(first.relative_to(path))!r} and {str(file.relative_to(path))!r} "
                     f"differ in columns or types ({dict(rows.features)} and {dict(other.features)}); the files of a "
                     "split are read as one table. Pass one file, or make the columns alike."
                 )
+            features = common
+        parts = [(f, part if part.features == features else part.cast(features)) for f, part in parts]
         splits[name] = concatenate_datasets([rows for _, rows in parts]) if len(parts) > 1 else rows
     return splits
+
+
+def _common_features(one: Any, other: Any) -> Any:
+    """Features both files' columns read as, where they differ only in the kind of number or string; None where the
+    columns differ in names or otherwise in type."""
+    from datasets import Features, Value
+
+    if list(one) != list(other):
+        return None
+    common = {}
+    for name in one:
+        a, b = one[name], other[name]
+        values = isinstance(a, Value) and isinstance(b, Value)
+        kinds = {a.dtype, b.dtype} if values else set()
+        if a == b:
+            common[name] = a
+        elif values and all(kind.startswith(("int", "uint", "float")) for kind in kinds):
+            common[name] = Value("float64")
+        elif values and kinds <= {"string", "large_string"}:
+            common[name] = Value("large_string")
+        else:
+            return None
+    return Features(common)
 
 
 def _select_split(splits: dict[str, Any], split: str, what: str) -> Any:

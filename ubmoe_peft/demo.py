@@ -154,6 +154,7 @@ def run_demo(args: DemoArgs) -> str:
     lap("measure the base model")
 
     common = dict(report_to="none", save_strategy="no", logging_steps=1, seed=args.seed, disable_tqdm=False)
+    common["use_cpu"] = torch.device(args.device or default_device()).type == "cpu"  # the trainers move the model
     stage1 = ContrastiveTrainer(
         model,
         tokenizer,

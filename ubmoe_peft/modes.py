@@ -106,6 +106,7 @@ def set_stage(model: nn.Module, stage: str) -> None:
     for module in used:
         if isinstance(module, ModulesToSaveWrapper) and adapter in module.modules_to_save:
             module.modules_to_save[adapter].requires_grad_(True)
+    mode_state(model).keep_trainable(model.parameters())  # inside disable_adapter(): kept on leaving it
     set_mode(model, STAGES[stage])
 
 

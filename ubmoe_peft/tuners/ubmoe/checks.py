@@ -21,7 +21,7 @@ from ...architectures import (
     text_config,
 )
 from ...io import AdapterMismatchError
-from .bnb import ComputeDtypeLinear
+from .bnb import ComputeDtypeLinear, is_quantized_linear
 from .config import UBMoEConfig
 from .layer import UBMoELayer, selected_projections
 
@@ -246,6 +246,31 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
     )
 
 
+_QUANT_STATE_PARTS = {"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "SCB", "weight_format"}
+_QUANT_STATE_PARTS |= {f"bitsandbytes__{kind}" for kind in ("nf4", "fp4")}
+
+
+def _check_adapter_name(model: nn.Module, adapter_name: str) -> None:
+    """PEFT saves one adapter by dropping every key that holds another adapter's name as a dotted part
+    (``_filter_state_dict_for_adapter_name``). UBMoE keys hold the base's module path, so a second adapter named
+    like a part of it ("mlp", "0", "gate_proj") made every save drop the first adapter's tensors, silently."""
+    existing = {name for m in model.modules() if isinstance(m, UBMoELayer) for name in m.ubmoe_router}
+    existing |= {name for m in model.modules() if isinstance(m, AuxiliaryTrainingWrapper) for name in m.modules_to_save}
+    if adapter_name in existing:  # the same adapter again (a load over it): its keys are known
+        return
+    # Names, not state_dict(): bitsandbytes' state_dict hook changes CPU-repacked 4-bit weights; its extra keys' parts
+    keys = [name for named in (model.named_parameters(), model.named_buffers()) for name, _ in named]
+    parts = {part for key in keys for part in key.split(".")} | _QUANT_STATE_PARTS
+    parts |= {"base_model", "model", "modules_to_save", "original_module", *_CONTAINERS}
+    if "." in adapter_name or adapter_name in parts:
+        raise ValueError(
+            f"Adapter name {adapter_name!r} "
+            + ("holds a dot" if "." in adapter_name else "is a part of this model's parameter names")
+            + ": PEFT saves each adapter by dropping the keys that hold another adapter's name as a dotted part, so "
+            "with it every save would drop other adapters' weights. Choose another name (e.g. 'stage1' or 'chat')."
+        )
+
+
 def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
     if getattr(text_config(model), "is_causal", True) is False:  # masking_utils then builds no causal mask at all
@@ -295,6 +320,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)."
         )
     _check_modules_to_save(config, model, targets, adapter_name)
+    _check_adapter_name(model, adapter_name)
     _refuse_expert_blocks(targets)
     for name, module in targets.items():
         if isinstance(module, UBMoELayer):
@@ -378,6 +404,8 @@ def _check_modules_to_save(
             attentions.append(index[id(attention)])
             hooked += [f"{attentions[-1]}.{n}" for n in linear_projections(attention)]
 
+    quantized = [n for n, m in modules if is_quantized_linear(m)]
+
     def under(name: str, roots: Iterable[str]) -> bool:
         return any(name == root or name.startswith(f"{root}.") for root in roots)
 
@@ -398,6 +426,12 @@ def _check_modules_to_save(
             lambda n: n in attentions or under(n, hooked) or holds(n, attentions),
             "is, holds or is a linear layer of an attention that a mode-bi attention adapter (attention_r) hooks: "
             "PEFT would run a copy without those hooks",
+        ),
+        (
+            lambda n: n in quantized or holds(n, quantized),
+            "is or holds a quantized linear layer (bitsandbytes): its packed 4-bit/8-bit weights cannot be trained in "
+            "full. Keep that module unquantized when loading (BitsAndBytesConfig(llm_int8_skip_modules=[...])) or "
+            "train attention through attention_r",
         ),
     )
     for entry in config.modules_to_save:

@@ -127,6 +127,8 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
         if next(p for p in plan.lora if p is not None)[0]["weight"].requires_grad:  # the dropout applies: hook path
             return None
     weight = router._parameters["weight"]  # (2, C)
+    if weight.is_meta:  # never loaded: the general path says so
+        return None
     logits = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight)  # (B, T, 2)
     state.record(layer.layer_idx, logits)
     picks = [bi > uni for uni, bi in logits.reshape(-1, 2).tolist()]  # strict: ties go to uni; any input rank

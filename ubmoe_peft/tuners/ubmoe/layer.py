@@ -242,6 +242,15 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         ffn = self._state.spec.ffn
         if adapter is None or ffn == "uni":
             return self.base_layer(x, *args, **kwargs)
+        router = self.ubmoe_router[adapter]
+        # torch computes on uninitialised memory with a meta weight, silently; accelerate's offloading (a hook on the
+        # module) brings its weights in for the call
+        if router.weight.is_meta and not _intercepted(router):
+            raise RuntimeError(
+                f"Adapter {adapter!r} has its weights on the meta device (made with low_cpu_mem_usage=True, and never "
+                "loaded): a forward would compute garbage. Load its weights with set_peft_model_state_dict(model, "
+                "state_dict, adapter_name, low_cpu_mem_usage=True), or make it without low_cpu_mem_usage."
+            )
         if ffn == "bi":
             return self._bi_expert(adapter, x)
         return self._moe(adapter, x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -104,7 +104,6 @@ class UBMoEModel(BaseTuner):
         # The layers created during super().__init__ share this object, so it must exist before injection.
         object.__setattr__(self, "_ubmoe_state", ModeState())
         object.__setattr__(self, "_ubmoe_hooks", [])
-        object.__setattr__(self, "_ubmoe_trainable", None)  # (parameter, requires_grad) while adapters are disabled
         with warnings.catch_warnings():
             if any(isinstance(m, UBMoELayer) for m in model.modules()):  # wrapped again: `_take_over` handles it
                 warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
@@ -121,6 +120,8 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
+        self._ubmoe_state.keep_trainable(model.parameters())  # a new adapter while disabled: its trainability
+        self._ubmoe_state.left_adapters.pop(adapter_name, None)  # new parameters under that name
         forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
 
     def _take_over(self, model: nn.Module, adapter_name: str) -> None:
@@ -151,6 +152,7 @@ class UBMoEModel(BaseTuner):
         for module in model.modules():  # and its trained copies (modules_to_save), which PEFT would expect in the file
             if isinstance(module, AuxiliaryTrainingWrapper):
                 module.delete_adapter(adapter_name, new_active_adapters=None)
+        forget_parts(model.modules(), state=True)  # the earlier model's state (its last batch's routing) goes too
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
@@ -182,6 +184,7 @@ class UBMoEModel(BaseTuner):
 
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
+        self._ubmoe_state.left_adapters.pop(adapter_name, None)
         forget_parts(self._decoder_layers)  # they held the deleted adapter's modules
 
     def add_weighted_adapter(self, adapters: Any, weights: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
@@ -202,19 +205,41 @@ class UBMoEModel(BaseTuner):
                 f"set_adapter({adapter_name!r}): UBMoE runs one adapter at a time (each layer routes between its FFN "
                 "and one adapter's bidirectional expert). Pass one adapter name."
             )
+        # PEFT makes the adapter set all trainable. TRL's DPO, KTO, GRPO and RLOO switch to a frozen "ref" copy and
+        # back around every reference forward, which made a stage-router model train its experts (and run their
+        # dropout) from the second step on: an adapter set again gets the trainability it had when left.
+        state = self._ubmoe_state
+        for name in self.active_adapters:
+            if name not in names:
+                state.left_adapters[name] = [(p, p.requires_grad) for p in self._adapter_parameters(name)]
         super().set_adapter(adapter_name, inference_mode=inference_mode)
+        for name in names:
+            for param, trainable in state.left_adapters.pop(name, ()):
+                param.requires_grad_(trainable and not inference_mode)
+        state.keep_trainable(self.model.parameters())
+
+    def _adapter_parameters(self, adapter_name: str) -> list[nn.Parameter]:
+        """The adapter's parameters, UBMoE's and its modules_to_save copies: those with the name as a dotted part of
+        their key (exact: `checks._check_adapter_name` refuses names that are parts of other keys)."""
+        return [p for n, p in self.model.named_parameters() if f".{adapter_name}." in f".{n}."]
+
+    def set_requires_grad(self, adapter_names: str | Sequence[str], requires_grad: bool = True) -> None:
+        super().set_requires_grad(adapter_names, requires_grad=requires_grad)
+        self._ubmoe_state.keep_trainable(self.model.parameters())
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         # PEFT freezes every adapter weight when disabling and makes the active adapter's all trainable when
         # enabling, so `with model.disable_adapter():` (a reference forward, as in DPO) left a stage-router model
         # training its experts too, with LoRA dropout back on. Enabling restores what disabling found.
-        if not enabled and self._ubmoe_trainable is None:
-            self._ubmoe_trainable = [(p, p.requires_grad) for p in self.model.parameters()]
+        # Trainability set while disabled (set_adapter, set_stage, ...) replaces what is restored (ModeState).
+        state = self._ubmoe_state
+        if not enabled and state.trainable is None:
+            state.trainable = [(p, p.requires_grad) for p in self.model.parameters()]
         super()._enable_adapter_layers(enabled)
-        if enabled and self._ubmoe_trainable is not None:
-            for param, trainable in self._ubmoe_trainable:
+        if enabled and state.trainable is not None:
+            for param, trainable in state.trainable:
                 param.requires_grad_(trainable)
-            self._ubmoe_trainable = None
+            state.trainable = None
         self._ubmoe_state.adapters_enabled = enabled  # disabled adapters also mean causal attention
 
     # ---- save / load keys ---------------------------------------------------------------------------------------

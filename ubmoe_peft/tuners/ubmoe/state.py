@@ -80,6 +80,17 @@ class ModeState:
         # over, UBMoEModel._take_over) or "unloaded" (UBMoEModel._unwrap); None while it does
         self.superseded: str | None = None
         self.recomputing = False  # a checkpointed layer runs again in backward (`recompute_in`): routing not recorded
+        # (parameter, requires_grad) to restore when adapters are enabled again; None while they are enabled
+        self.trainable: list[tuple[nn.Parameter, bool]] | None = None
+        # Each adapter's (parameter, requires_grad) when set_adapter switched away from it, restored when it is set
+        # again (UBMoEModel.set_adapter)
+        self.left_adapters: dict[str, list[tuple[nn.Parameter, bool]]] = {}
+
+    def keep_trainable(self, parameters: Iterable[nn.Parameter]) -> None:
+        """While adapters are disabled, make the trainability just set (set_adapter, set_stage, set_requires_grad,
+        a new adapter) the one restored on enabling, instead of what disabling found."""
+        if self.trainable is not None:
+            self.trainable = [(p, p.requires_grad) for p in parameters]
 
     @contextmanager
     def switched(self, mode: str) -> Iterator[None]:
