@@ -594,6 +594,18 @@ def test_config_defaults_are_the_papers_and_run_on_cpu(tmp_path):
     assert stage2.bf16 == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
+def _run_two_processes(script: str, folder, out) -> None:
+    """``script`` under torchrun on 2 CPU processes (gloo), given ``folder`` and ``out``."""
+    import subprocess
+    import sys
+
+    (out / "run.py").write_text(script)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(out / "run.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*command, str(folder), str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 DDP_RUN = """
 import json, sys
 import torch.distributed as dist
@@ -609,9 +621,12 @@ quiet = dict(report_to="none", disable_tqdm=True, use_cpu=True, save_strategy="n
 rows = Dataset.from_json(folder + "/chats.jsonl")
 args = RouterConfig(output_dir=out + "/router", per_device_eval_batch_size=1, max_length=32, **quiet)
 share = RouterTrainer(model, args=args, train_dataset=rows, processing_class=tokenizer).evaluate(rows)
-stage1 = ContrastiveConfig(output_dir=out + "/contrastive", max_steps=2, per_device_train_batch_size=2,
+quiet["save_strategy"] = "steps"  # every process saved (sentence-transformers' _save): the second one's swap failed
+stage1 = ContrastiveConfig(output_dir=out + "/contrastive", max_steps=2, per_device_train_batch_size=2, save_steps=1,
                            ddp_find_unused_parameters=False, **quiet)
-ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=Dataset.from_json(folder + "/pairs.jsonl")).train()
+trainer = ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=Dataset.from_json(folder + "/pairs.jsonl"))
+trainer.train()
+trainer.save_model(out + "/final")
 json.dump(share["eval_bi_share"], open(f"{out}/rank{dist.get_rank()}.json", "w"))
 dist.destroy_process_group()  # else gloo's threads may end the process with "terminate called" at exit
 """
@@ -622,8 +637,6 @@ def test_two_processes_log_the_bi_share_of_all_and_train_stage_1_with_an_lm_head
     head in modules_to_save was trainable in stage 1, which never runs it: DDP with find_unused_parameters=False
     stopped with "parameters that were not used in producing loss"."""
     import json
-    import subprocess
-    import sys
 
     folder = tmp_path / "saved"
     tiny_model().save_pretrained(folder)
@@ -637,14 +650,87 @@ def test_two_processes_log_the_bi_share_of_all_and_train_stage_1_with_an_lm_head
     args = RouterConfig(output_dir=str(tmp_path / "one"), per_device_eval_batch_size=2, max_length=32, **QUIET)
     expected = RouterTrainer(model, args=args, train_dataset=chats, processing_class=tokenizer).evaluate(chats)
 
-    script = tmp_path / "run.py"
-    script.write_text(DDP_RUN)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(folder)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _run_two_processes(DDP_RUN, folder, tmp_path)
     shares = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert shares == pytest.approx([expected["eval_bi_share"]] * 2, abs=1e-6)
+    saved = [tmp_path / "contrastive" / f"checkpoint-{step}" / "ubmoe_adapter" for step in (1, 2)]
+    saved.append(tmp_path / "final" / "ubmoe_adapter")
+    assert all((folder / "adapter_model.safetensors").is_file() for folder in saved)
+    final = PeftModel.from_pretrained(tiny_model(), saved[-1]).eval()
+    last = PeftModel.from_pretrained(tiny_model(), saved[1]).eval()
+    assert torch.equal(final(*batch()).logits, last(*batch()).logits)
+
+
+FSDP_RUN = """
+import functools, json, sys
+import torch, torch.distributed as dist
+from peft import PeftModel
+from peft.utils.other import fsdp_auto_wrap_policy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+import ubmoe_peft
+
+folder, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank, found = dist.get_rank(), {}
+ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+def wrapped(policy):
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    model = PeftModel.from_pretrained(base, folder + "/adapter", is_trainable=True)
+    ubmoe_peft.set_stage(model, "router")
+    return model, FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"),
+                       sync_module_states=False)
+
+# decoder layers as units: the same logits, and a save holds the whole adapter (PEFT found none of its keys)
+layers = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+model, sharded = wrapped(layers)
+found["logits"] = sharded(input_ids=ids).logits.tolist()
+model.save_pretrained(out + "/layers", is_main_process=rank == 0)
+# the whole model as one unit: the inner model's tensors are flat shards, refused
+model, sharded = wrapped(None)
+try:
+    model.save_pretrained(out + f"/flat{rank}")
+except ValueError as err:
+    found["flat"] = str(err)
+# PEFT's policy (the Trainer's for a PeftModel): the routers are units of their own, refused
+model, sharded = wrapped(fsdp_auto_wrap_policy(model))
+try:
+    sharded(input_ids=ids)
+except RuntimeError as err:
+    found["leaves"] = str(err)
+json.dump(found, open(f"{out}/rank{rank}.json", "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp1_saves_whole_adapters_and_refuses_what_it_cannot_run(tmp_path):
+    """FSDP1 with decoder layers as units saved an adapter with no tensor (PEFT strips FSDP's prefix only from the
+    front of a module name), a whole-model unit saved flat shards, silently; with PEFT's auto-wrap policy (the
+    Trainer's), routers as units of their own failed with a bare KeyError."""
+    import json
+
+    folder = tmp_path / "saved"
+    tiny_model().save_pretrained(folder)
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    perturb_adapters(model, std=0.3)
+    model.save_pretrained(folder / "adapter")
+    _run_two_processes(FSDP_RUN, folder, tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert torch.allclose(torch.tensor(found["logits"]), expected, atol=1e-5)
+        assert "has shape (" in found["flat"] and "not a whole adapter weight" in found["flat"]
+        assert "FSDP units of their own" in found["leaves"] and "FSDP2" in found["leaves"]
+    assert not any(tmp_path.glob("flat*/adapter_model.safetensors"))
+    reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "layers").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, expected)
 
 
 @pytest.mark.parametrize(

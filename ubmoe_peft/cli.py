@@ -657,6 +657,8 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
     with _removed_if_left_empty(config.output_dir):
         trainer = ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows, eval_dataset=eval_rows)
         trainer.train(resume_from_checkpoint=resume)
+        if not config.should_save:  # another process of a torchrun: the main one saves
+            return config.output_dir
         model.save_pretrained(config.output_dir)
     following = _next(model_args, "train-router", config, own_data=data.data is not None)
     label = "Next (CHATS: your chat data, a file or hub dataset id)" if data.data is not None else "Next"
@@ -705,6 +707,8 @@ def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str
             model, args=config, train_dataset=rows, eval_dataset=eval_rows, processing_class=tokenizer
         )
         trainer.train(resume_from_checkpoint=resume)
+        if not config.should_save:  # another process of a torchrun: the main one saves
+            return config.output_dir
         model.save_pretrained(config.output_dir)
     print(f"Saved the UBMoE adapter to {config.output_dir}. Next: {_next(model_args, 'export', config)}")
     return config.output_dir

@@ -313,6 +313,29 @@ def _sort_metadata(path: str, metadata: dict[str, str]) -> None:
         handle.write(header.replace(found[0], texts[orders.index(dict(sorted(metadata.items())))], 1))
 
 
+def _refuse_shards(tensors: dict, filename: str) -> None:
+    """A UBMoE adapter's file must hold whole weights. Saved from a model FSDP shards, PEFT wrote no tensor, 1-D shards
+    of flattened weights, or failed in safetensors on a DTensor; the loss showed only at the next load."""
+    whole = [k for k, t in tensors.items() if ".ubmoe_" in k and k.endswith(".weight") and t.dim() != 2]
+    whole += [k for k, t in tensors.items() if ".ubmoe_router" in k and t.dim() == 2 and t.shape[0] != 2]
+    distributed = [k for k, t in tensors.items() if type(t).__name__ == "DTensor"]
+    if tensors and not whole and not distributed:
+        return
+    found = (
+        f"{distributed[0]!r} is a DTensor" if distributed
+        else f"{whole[0]!r} has shape {tuple(tensors[whole[0]].shape)}" if whole
+        else "it would hold no tensor"
+    )  # fmt: skip
+    raise ValueError(
+        f"Cannot save {filename}: {found}, not a whole adapter weight. The model is sharded (FSDP) or the state dict "
+        "given holds shards. Gather the full state dict on every process and save it from the main one: "
+        "model.save_pretrained(folder, state_dict=full, is_main_process=rank == 0), with full from "
+        "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+        "full_state_dict=True)) (FSDP2) or model.state_dict() under FSDP.state_dict_type(model, "
+        "StateDictType.FULL_STATE_DICT) (FSDP1); the transformers Trainer's save_model does this."
+    )
+
+
 def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def atomic_safe_save_file(tensors: dict, filename: str, metadata: dict | None = None) -> None:
@@ -327,6 +350,7 @@ def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
         if settings is None:
             atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
             return
+        _refuse_shards(tensors, filename)
         metadata = {**(metadata or {}), SETTINGS_KEY: settings}  # a UBMoE adapter's weights (`_wrap_save_pretrained`)
 
         def write(tmp: str) -> None:

@@ -427,6 +427,13 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         finally:
             _routers_in_their_dtype(self.peft_model)
 
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # transformers 5 checks the rank in `Trainer._save`, which sentence-transformers' override skips: every
+        # process saved, and the second one's swap into the same folder failed (a run under torchrun died at its
+        # first checkpoint, `save_model` too).
+        if self.args.should_save:
+            super()._save(output_dir, state_dict=state_dict)
+
     def _load_from_checkpoint(self, checkpoint_path: str) -> None:
         """Load a checkpoint of this run (``train(resume_from_checkpoint=...)``, ``load_best_model_at_end``) into the
         model being trained.

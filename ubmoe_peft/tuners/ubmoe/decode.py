@@ -55,7 +55,7 @@ def make_plan(layer: UBMoELayer, adapter: str) -> DecodePlan:
     hook registration or an adapter change."""
     hook_id = RemovableHandle.next_id
     router = layer.ubmoe_router._modules.get(adapter)
-    if router is None or not layer._gated_mlp or layer.top_k[adapter] != 1:
+    if router is None or type(router) is not nn.Linear or not layer._gated_mlp or layer.top_k[adapter] != 1:
         return DecodePlan(hook_id, None)
     ffn = layer.base_layer
     found = [(layer, "base_layer", ffn), (layer.ubmoe_router, adapter, router)]

@@ -251,6 +251,15 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 "loaded): a forward would compute garbage. Load its weights with set_peft_model_state_dict(model, "
                 "state_dict, adapter_name, low_cpu_mem_usage=True), or make it without low_cpu_mem_usage."
             )
+        lora_a = self.ubmoe_lora_A[adapter].values() if adapter in self.ubmoe_lora_A else ()
+        if "_fsdp_wrapped_module" in router._modules or any("_fsdp_wrapped_module" in m._modules for m in lora_a):
+            # FSDP1 gathers a unit's weights only in its own forward; the experts and routers are read as tensors
+            raise RuntimeError(
+                f"Adapter {adapter!r}'s routers or LoRA weights are FSDP units of their own (FSDP1 with PEFT's "
+                "fsdp_auto_wrap_policy, which transformers' Trainer applies to every PeftModel): UBMoE reads their "
+                "weights where FSDP1 has not gathered them. Use FSDP2 (fsdp_version 2 in the Trainer's fsdp_config "
+                "or accelerate), or wrap only the decoder layers as FSDP1 units."
+            )
         if ffn == "bi":
             return self._bi_expert(adapter, x)
         return self._moe(adapter, x)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
-from peft.tuners.tuners_utils import BaseTuner
+from peft.tuners.tuners_utils import BaseTuner, _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
 from transformers import PreTrainedConfig
@@ -243,6 +243,14 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_state.adapters_enabled = enabled  # disabled adapters also mean causal attention
 
     # ---- save / load keys ---------------------------------------------------------------------------------------
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        # PEFT finds the adapter's keys under its modules' names, stripping FSDP's `_fsdp_wrapped_module.` only from
+        # their front; FSDP1 units inside the model (decoder layers) keep it in the middle, which no key of FSDP's
+        # full state dict has: the adapter was saved with no tensor at all.
+        prefixes = {p.replace("_fsdp_wrapped_module.", "") for p in _get_tuner_state_dict_key_prefixes(model)}
+        return _filter_state_dict_by_key_prefixes(state_dict, prefixes)
+
     @classmethod
     def _remove_adapter_name_from_key(cls, key: str, adapter_name: str) -> str:
         # Our adapter keys are `...mlp.ubmoe_lora_A.<adapter>.gate_proj.weight`: the adapter name follows the
