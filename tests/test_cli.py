@@ -249,6 +249,8 @@ def test_a_folder_of_data_files_reads_every_file_by_the_files_rules(files, tmp_p
     (whole / "b.tsv").write_text(header + "c\td\t5\n")
     (whole / "c.tsv").write_text(header + "e\tf\t3\n")
     assert load_rows(str(whole), "sts")["score"] == [4.5, 5.0, 3.0]
+    (whole / "a.tsv").write_text(header + "a\tb\t4\n")  # whole numbers in every file stay whole
+    assert load_rows(str(whole), "sts").features["score"].dtype == "int64"
     (whole / "c.tsv").write_text("sentence1\tsentence2\tlabel\ne\tf\t3\n")
     with pytest.raises(ValueError, match="'a.tsv' and 'c.tsv' differ in columns or types"):
         load_rows(str(whole), "sts")
@@ -665,7 +667,7 @@ def test_device_cpu_reaches_the_trainer(files, tmp_path, monkeypatch):
     config = RouterConfig(output_dir=str(tmp_path / "s2"), max_steps=3)
     assert _trained_on(None, config) is config
     moved = _trained_on("cpu", config)
-    assert moved.use_cpu and moved.device.type == "cpu" and moved.max_steps == 3
+    assert moved.use_cpu and moved.device.type == "cpu" and moved.max_steps == 3 and not moved.bf16
     with pytest.raises(ValueError, match="--device 'mps:1': the trainer trains on cpu .*CUDA_VISIBLE_DEVICES=1"):
         _trained_on("mps:1", moved)
 

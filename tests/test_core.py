@@ -221,6 +221,22 @@ def test_trainability_set_while_adapters_are_disabled_is_kept_on_enabling():
         pass
     assert not trainable(model)
 
+    model, _ = wrap()  # what an operation inside does not address keeps what disabling found
+    ubmoe_peft.set_stage(model, "router")
+    routers = trainable(model)
+    with model.disable_adapter():
+        model.add_adapter("two", UBMoEConfig())
+        model.set_adapter("two")
+        model.set_adapter("default")
+        model.set_requires_grad("two", False)
+    assert trainable(model) == routers
+    model.delete_adapter("default")  # "two" becomes active: nothing kept from when it was left comes back
+    ubmoe_peft.set_stage(model, "contrastive")
+    model.set_adapter("two")  # set again while active: all trainable, as in PEFT
+    assert {n.split(".two.")[0].split(".")[-1] for n in trainable(model)} == {
+        "ubmoe_lora_A", "ubmoe_lora_B", "ubmoe_router"
+    }  # fmt: skip
+
 
 @pytest.mark.parametrize("name", ["mlp", "gate_proj", "0", "layers", "weight", "ubmoe_router", "a.b"])
 def test_an_adapter_named_like_a_part_of_the_keys_is_refused(tmp_path, name):

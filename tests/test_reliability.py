@@ -1254,3 +1254,15 @@ def test_a_refused_load_leaves_the_base_as_it_was_passed(tmp_path):
     assert all(p.requires_grad for p in base.parameters()) and torch.equal(logits(base, ids), expected)
     (folder / "adapter_config.json").write_text(json.dumps(config))
     assert ubmoe_layers(peft.PeftModel.from_pretrained(base, folder))  # the same base takes the good files
+
+
+def test_a_save_refuses_shards_but_not_a_copy_experts_norm(tmp_path):
+    """A UBMoE adapter file must hold whole matrices (a sharded model wrote flat shards, silently); a copy expert's
+    own 1-D weights (BitNet's FFN norm) are whole."""
+    from ubmoe_peft.io import _refuse_shards
+
+    key = "base_model.model.model.layers.0.mlp.ubmoe_{}.weight"
+    _refuse_shards({key.format("copy.ffn_sub_norm"): torch.ones(8), key.format("router"): torch.ones(2, 8)}, "f")
+    for tensors in ({key.format("lora_A.gate_proj"): torch.ones(16)}, {key.format("router"): torch.ones(3, 8)}, {}):
+        with pytest.raises(ValueError, match="Cannot save f: .*(shape|no tensor).*Gather the full state dict"):
+            _refuse_shards(tensors, "f")

@@ -431,7 +431,10 @@ def _trained_on(device: str | None, config: Any) -> Any:
         return config
     wanted = torch.device(device)
     if wanted.type == "cpu":
-        return config if config.use_cpu else dataclasses.replace(config, use_cpu=True)
+        if config.use_cpu:
+            return config
+        chosen = {"bf16": None} if getattr(config, "_bf16_chosen", False) else {}  # RouterConfig's default: off on CPU
+        return dataclasses.replace(config, use_cpu=True, **chosen)
     chosen = config.device
     if wanted.type != chosen.type or (wanted.index is not None and wanted.index != (chosen.index or 0)):
         raise ValueError(

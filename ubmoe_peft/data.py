@@ -248,6 +248,8 @@ def _common_features(one: Any, other: Any) -> Any:
         kinds = {a.dtype, b.dtype} if values else set()
         if a == b:
             common[name] = a
+        elif values and all(kind.startswith(("int", "uint")) for kind in kinds):
+            common[name] = Value("int64")
         elif values and all(kind.startswith(("int", "uint", "float")) for kind in kinds):
             common[name] = Value("float64")
         elif values and kinds <= {"string", "large_string"}:

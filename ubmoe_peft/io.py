@@ -316,7 +316,8 @@ def _sort_metadata(path: str, metadata: dict[str, str]) -> None:
 def _refuse_shards(tensors: dict, filename: str) -> None:
     """A UBMoE adapter's file must hold whole weights. Saved from a model FSDP shards, PEFT wrote no tensor, 1-D shards
     of flattened weights, or failed in safetensors on a DTensor; the loss showed only at the next load."""
-    whole = [k for k, t in tensors.items() if ".ubmoe_" in k and k.endswith(".weight") and t.dim() != 2]
+    matrices = (".ubmoe_lora_A.", ".ubmoe_lora_B.", ".ubmoe_attn_A.", ".ubmoe_attn_B.", ".ubmoe_router.")
+    whole = [k for k, t in tensors.items() if any(m in k for m in matrices) and t.dim() != 2]  # (a copy's norms: 1-D)
     whole += [k for k, t in tensors.items() if ".ubmoe_router" in k and t.dim() == 2 and t.shape[0] != 2]
     distributed = [k for k, t in tensors.items() if type(t).__name__ == "DTensor"]
     if tensors and not whole and not distributed:
@@ -387,6 +388,11 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             folder = save_directory if name == "default" else os.path.join(save_directory, name)
             settings = settings_json(self.peft_config[name].to_dict())
             pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
+        given = bound.arguments.get("state_dict", bound.arguments.get("kwargs", {}).get("state_dict"))
+        if ubmoe and given is None:  # PEFT failed first, in safetensors, on a DTensor
+            sharded = next((n for n, p in self.named_parameters() if type(p.data).__name__ == "DTensor"), None)
+            if sharded is not None:
+                _refuse_shards({sharded: self.get_parameter(sharded)}, os.path.join(save_directory, WEIGHTS_NAME))
         token = _PENDING_SETTINGS.set(pending)
         writes = bound.arguments.get("is_main_process", True)  # other ranks write nothing, so keep nothing
         paths = [p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))] if writes else []

@@ -565,7 +565,10 @@ class RouterConfig(SFTConfig):
 
     def __post_init__(self) -> None:
         if self.bf16 is None:
-            self.bf16 = not self.fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            self.bf16 = (
+                not self.fp16 and not self.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            )
+            self._bf16_chosen = True  # `cli._trained_on` chooses again for the CPU
         check_training_counts(self)
         super().__post_init__()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -120,7 +121,9 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
-        self._ubmoe_state.keep_trainable(model.parameters())  # a new adapter while disabled: its trainability
+        self._ubmoe_state.keep_trainable(  # a new adapter while disabled: its trainability
+            p for n, p in model.named_parameters() if f".{adapter_name}." in f".{n}."
+        )
         self._ubmoe_state.left_adapters.pop(adapter_name, None)  # new parameters under that name
         forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
 
@@ -184,7 +187,8 @@ class UBMoEModel(BaseTuner):
 
     def delete_adapter(self, adapter_name: str) -> None:
         super().delete_adapter(adapter_name)
-        self._ubmoe_state.left_adapters.pop(adapter_name, None)
+        for name in (adapter_name, *self.active_adapters):  # the new active one is set: what it was left with goes
+            self._ubmoe_state.left_adapters.pop(name, None)
         forget_parts(self._decoder_layers)  # they held the deleted adapter's modules
 
     def add_weighted_adapter(self, adapters: Any, weights: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
@@ -209,14 +213,18 @@ class UBMoEModel(BaseTuner):
         # back around every reference forward, which made a stage-router model train its experts (and run their
         # dropout) from the second step on: an adapter set again gets the trainability it had when left.
         state = self._ubmoe_state
-        for name in self.active_adapters:
+        active = list(self.active_adapters)
+        flags = dict(state.trainable) if state.trainable is not None else {}  # inside disable_adapter(): the kept
+        for name in active:
             if name not in names:
-                state.left_adapters[name] = [(p, p.requires_grad) for p in self._adapter_parameters(name)]
+                state.left_adapters[name] = [(p, flags.get(p, p.requires_grad)) for p in self._adapter_parameters(name)]
         super().set_adapter(adapter_name, inference_mode=inference_mode)
         for name in names:
-            for param, trainable in state.left_adapters.pop(name, ()):
+            left = state.left_adapters.pop(name, ())
+            for param, trainable in () if name in active else left:  # set again while active: PEFT's rule
                 param.requires_grad_(trainable and not inference_mode)
-        state.keep_trainable(self.model.parameters())
+        changed = {*active, *names} - (set(active) & set(names))  # PEFT sets the active one again on every new adapter
+        state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
 
     def _adapter_parameters(self, adapter_name: str) -> list[nn.Parameter]:
         """The adapter's parameters, UBMoE's and its modules_to_save copies: those with the name as a dotted part of
@@ -225,7 +233,8 @@ class UBMoEModel(BaseTuner):
 
     def set_requires_grad(self, adapter_names: str | Sequence[str], requires_grad: bool = True) -> None:
         super().set_requires_grad(adapter_names, requires_grad=requires_grad)
-        self._ubmoe_state.keep_trainable(self.model.parameters())
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        self._ubmoe_state.keep_trainable(p for name in names for p in self._adapter_parameters(name))
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         # PEFT freezes every adapter weight when disabling and makes the active adapter's all trainable when
@@ -248,7 +257,12 @@ class UBMoEModel(BaseTuner):
         # PEFT finds the adapter's keys under its modules' names, stripping FSDP's `_fsdp_wrapped_module.` only from
         # their front; FSDP1 units inside the model (decoder layers) keep it in the middle, which no key of FSDP's
         # full state dict has: the adapter was saved with no tensor at all.
-        prefixes = {p.replace("_fsdp_wrapped_module.", "") for p in _get_tuner_state_dict_key_prefixes(model)}
+        # (torch's activation-checkpoint wrapper, which accelerate applies under FSDP, likewise)
+        wrappers = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+        prefixes = {
+            functools.reduce(lambda p, w: p.replace(w, ""), wrappers, p)
+            for p in _get_tuner_state_dict_key_prefixes(model)
+        }
         return _filter_state_dict_by_key_prefixes(state_dict, prefixes)
 
     @classmethod

@@ -87,10 +87,13 @@ class ModeState:
         self.left_adapters: dict[str, list[tuple[nn.Parameter, bool]]] = {}
 
     def keep_trainable(self, parameters: Iterable[nn.Parameter]) -> None:
-        """While adapters are disabled, make the trainability just set (set_adapter, set_stage, set_requires_grad,
-        a new adapter) the one restored on enabling, instead of what disabling found."""
+        """While adapters are disabled, make the trainability just set on ``parameters`` (those set_adapter,
+        set_stage, set_requires_grad or a new adapter addressed) the one restored on enabling, instead of what
+        disabling found; every other parameter keeps what disabling found (its live flag is disabling's)."""
         if self.trainable is not None:
-            self.trainable = [(p, p.requires_grad) for p in parameters]
+            touched = {id(p): p for p in parameters}
+            kept = [(p, touched.pop(id(p)).requires_grad if id(p) in touched else flag) for p, flag in self.trainable]
+            self.trainable = kept + [(p, p.requires_grad) for p in touched.values()]
 
     @contextmanager
     def switched(self, mode: str) -> Iterator[None]:
