@@ -121,9 +121,7 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
         super().inject_adapter(model, adapter_name, **kwargs)
-        self._ubmoe_state.keep_trainable(  # a new adapter while disabled: its trainability
-            p for n, p in model.named_parameters() if f".{adapter_name}." in f".{n}."
-        )
+        self._ubmoe_state.keep_trainable(self._adapter_parameters(adapter_name, model))  # a new one while disabled
         self._ubmoe_state.left_adapters.pop(adapter_name, None)  # new parameters under that name
         forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
 
@@ -226,10 +224,12 @@ class UBMoEModel(BaseTuner):
         changed = {*active, *names} - (set(active) & set(names))  # PEFT sets the active one again on every new adapter
         state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
 
-    def _adapter_parameters(self, adapter_name: str) -> list[nn.Parameter]:
-        """The adapter's parameters, UBMoE's and its modules_to_save copies: those with the name as a dotted part of
-        their key (exact: `checks._check_adapter_name` refuses names that are parts of other keys)."""
-        return [p for n, p in self.model.named_parameters() if f".{adapter_name}." in f".{n}."]
+    def _adapter_parameters(self, adapter_name: str, model: nn.Module | None = None) -> list[nn.Parameter]:
+        """The adapter's parameters in ``model`` (the base), UBMoE's and its modules_to_save copies: those with the
+        name as a dotted part of their key (exact: `checks._check_adapter_name` refuses names that are parts of other
+        keys)."""
+        model = self.model if model is None else model
+        return [p for n, p in model.named_parameters() if f".{adapter_name}." in f".{n}."]
 
     def set_requires_grad(self, adapter_names: str | Sequence[str], requires_grad: bool = True) -> None:
         super().set_requires_grad(adapter_names, requires_grad=requires_grad)
