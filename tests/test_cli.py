@@ -566,6 +566,21 @@ def test_training_evaluates_on_eval_data_or_a_held_out_slice(files, tmp_path, ca
     assert all("eval_bi_share" in log for log in logs[2:])  # stage 2 evaluates in mode moe and logs its routing
 
 
+def test_stage1_evaluation_on_plain_texts_warns(files, tmp_path, monkeypatch):
+    """Plain texts as stage-1 eval data pair each text with itself, and evaluation runs without dropout: the eval loss
+    then ignores how paraphrases match (it was reported as any other loss)."""
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("model load reached")
+
+    monkeypatch.setattr("ubmoe_peft.cli.load_model", stop)
+    argv = ["train-contrastive", "--model", files["model"], "--data", files["texts"], "--split", "train[:30]",
+            "--eval_split", "train[30:]", "--eval_strategy", "steps", "--output_dir", str(tmp_path / "s1")]  # fmt: skip
+    with pytest.warns(UserWarning, match="evaluation data holds plain texts, each paired with itself"):
+        with pytest.raises(RuntimeError, match="model load reached"):
+            run(argv)
+
+
 def test_report_to_an_integration_that_is_not_installed_is_named_before_the_model_loads(files, monkeypatch):
     """transformers raised a RuntimeError (a traceback) once the trainer was built, after the model had loaded (here
     wandb is absent, whatever is installed)."""

@@ -130,3 +130,5 @@ def test_dependence_is_measured_without_dropout_in_a_model_being_trained(tokeniz
     assert model.training
     with pytest.raises(ValueError, match="batch_size=0: give a positive integer"):
         attention_dependence(model, tokenizer, texts, batch_size=0)
+    with pytest.raises(ValueError, match="max_length=1 keeps one token per text, .* would read 100% self"):
+        attention_dependence(model, tokenizer, texts, max_length=1)

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import sys
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -652,6 +653,14 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
             )
         if config.attention_dropout is None:
             config.attention_dropout = SIMCSE_DROPOUT
+    if eval_rows is not None and eval_rows.column_names == ["text"]:
+        warnings.warn(
+            "The evaluation data holds plain texts, each paired with itself; evaluation runs without dropout, so both "
+            "views of a pair are the same embedding and the eval loss measures only how far apart different texts "
+            "are, not how well paraphrases match. For a meaningful eval loss give pairs (anchor, positive) as "
+            "--eval_data.",
+            stacklevel=2,
+        )
     seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
     model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     rows = contrastive_pairs(rows)

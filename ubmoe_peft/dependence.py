@@ -76,6 +76,11 @@ def attention_dependence(
         )
     check_tokenizer(tokenizer)
     check_sizes(batch_size, max_length)
+    if max_length < 2:  # one token attends only to itself: 100% self whatever the mode
+        raise ValueError(
+            f"max_length={max_length} keeps one token per text, which can attend only to itself, so every mode would "
+            "read 100% self. Give at least 2 (e.g. 256) to measure preceding and subsequent attention."
+        )
     device = input_device(model)
     totals: torch.Tensor | None = None  # (L, 3) sums over texts
     with _evaluating(model):  # eval: no dropout in the weights read
