@@ -254,6 +254,14 @@ def test_a_folder_of_data_files_reads_every_file_by_the_files_rules(files, tmp_p
     (whole / "c.tsv").write_text("sentence1\tsentence2\tlabel\ne\tf\t3\n")
     with pytest.raises(ValueError, match="'a.tsv' and 'c.tsv' differ in columns or types"):
         load_rows(str(whole), "sts")
+    order = tmp_path / "order"  # the same columns in another order were refused as different
+    order.mkdir()
+    (order / "a.jsonl").write_text('{"anchor": "a cat", "positive": "a feline"}\n')
+    (order / "b.jsonl").write_text('{"positive": "a dog", "anchor": "a canine"}\n')
+    assert load_rows(str(order), "contrastive").to_list() == [
+        {"anchor": "a cat", "positive": "a feline"},
+        {"anchor": "a canine", "positive": "a dog"},
+    ]
     (tmp_path / "header.tsv").write_text(header)  # "Instruction 'train' corresponds to no data", and a suffix hint
     with pytest.raises(ValueError, match=r"Data file '.*header.tsv' holds no rows"):
         load_rows(str(tmp_path / "header.tsv"), "sts")

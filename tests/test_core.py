@@ -238,7 +238,58 @@ def test_trainability_set_while_adapters_are_disabled_is_kept_on_enabling():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["mlp", "gate_proj", "0", "layers", "weight", "ubmoe_router", "a.b"])
+def test_trainability_inside_disable_adapter_is_what_the_same_calls_give_outside():
+    """Deleting the active adapter inside `disable_adapter()` left the new active one frozen; `set_adapter` of the
+    active adapter there was undone on exit; and `set_requires_grad` on an adapter left earlier was overridden by
+    what it had when left, once set again."""
+
+    def counts(model, name):
+        flags = [p.requires_grad for n, p in model.named_parameters() if f".{name}." in n]
+        return sum(flags), len(flags)
+
+    def fresh():
+        model, _ = wrap()
+        model.add_adapter("b", UBMoEConfig())
+        ubmoe_peft.set_stage(model, "router")
+        return model
+
+    for call in (lambda m: m.delete_adapter("default"), lambda m: m.set_adapter("default")):
+        outside, inside = fresh(), fresh()
+        call(outside)
+        with inside.disable_adapter():
+            call(inside)
+        name = outside.active_adapter
+        assert counts(inside, name) == counts(outside, name) == (14, 14)  # PEFT's rule: all trainable
+    model = fresh()
+    model.set_adapter("b")
+    model.set_requires_grad("default", False)
+    model.set_adapter("default")
+    assert counts(model, "default") == (0, 14)
+
+
+def test_an_adapter_saves_whole_under_torchs_activation_checkpoint_wrapper(tmp_path):
+    """Module names then hold `_checkpoint_wrapped_module.` (accelerate applies the wrapper under FSDP) and the
+    state-dict keys do not: the tuner's weights were saved as none, and a `modules_to_save` copy inside a decoder
+    layer failed the save with a bare KeyError."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = get_peft_model(tiny_model(), UBMoEConfig(modules_to_save=["post_attention_layernorm", "lm_head"]))
+    perturb_adapters(model)
+    with torch.no_grad():  # the copies differ from the base's modules
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.mul_(1.5)
+    ids, mask = batch()
+    expected = logits(model.eval(), ids, mask)
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, LlamaDecoderLayer))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path).eval()
+    assert torch.equal(logits(reloaded, ids, mask), expected)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gate_proj", "0", "layers", "weight", "ubmoe_router", "a.b", "base_layer"])
 def test_an_adapter_named_like_a_part_of_the_keys_is_refused(tmp_path, name):
     """PEFT saves one adapter by dropping every key that holds another adapter's name as a dotted part; UBMoE keys
     hold the base's module path, so a second adapter named "mlp" made save_pretrained write 0 of the first

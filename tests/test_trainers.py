@@ -677,10 +677,10 @@ dist.init_process_group("gloo")
 rank, found = dist.get_rank(), {}
 ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
-def wrapped(policy):
+def wrapped(policy, adapter="adapter", stage="router"):
     base = AutoModelForCausalLM.from_pretrained(folder)
-    model = PeftModel.from_pretrained(base, folder + "/adapter", is_trainable=True)
-    ubmoe_peft.set_stage(model, "router")
+    model = PeftModel.from_pretrained(base, folder + "/" + adapter, is_trainable=True)
+    ubmoe_peft.set_stage(model, stage)
     return model, FSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=torch.device("cpu"),
                        sync_module_states=False)
 
@@ -701,6 +701,16 @@ try:
     sharded(input_ids=ids)
 except RuntimeError as err:
     found["leaves"] = str(err)
+# a copy expert with an attention adapter and a norm in modules_to_save, stage 1 (mode bi): saved whole under layer
+# units (PEFT failed on the norm's copy with a KeyError); under PEFT's policy the attention LoRA units are refused
+model, sharded = wrapped(layers, "attention", "contrastive")
+found["bi_logits"] = sharded(input_ids=ids).logits.tolist()
+model.save_pretrained(out + "/attention", is_main_process=rank == 0)
+model, sharded = wrapped(fsdp_auto_wrap_policy(model), "attention", "contrastive")
+try:
+    sharded(input_ids=ids)
+except RuntimeError as err:
+    found["attention_leaves"] = str(err)
 json.dump(found, open(f"{out}/rank{rank}.json", "w"))
 dist.barrier()
 dist.destroy_process_group()
@@ -718,19 +728,34 @@ def test_fsdp1_saves_whole_adapters_and_refuses_what_it_cannot_run(tmp_path):
     model = get_peft_model(tiny_model(), UBMoEConfig())
     perturb_adapters(model, std=0.3)
     model.save_pretrained(folder / "adapter")
+    attention = get_peft_model(
+        tiny_model(), UBMoEConfig(expert_type="copy", attention_r=4, modules_to_save=["post_attention_layernorm"])
+    )
+    perturb_adapters(attention, std=0.3)
+    with torch.no_grad():
+        for name, param in attention.named_parameters():
+            param.mul_(1.5 if ".modules_to_save." in name else 1)
+    attention.save_pretrained(folder / "attention")
     _run_two_processes(FSDP_RUN, folder, tmp_path)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         expected = model.eval()(input_ids=ids).logits
+        ubmoe_peft.set_mode(attention.eval(), "bi")
+        bi_expected = attention(input_ids=ids).logits
     for rank in (0, 1):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert torch.allclose(torch.tensor(found["logits"]), expected, atol=1e-5)
         assert "has shape (" in found["flat"] and "not a whole adapter weight" in found["flat"]
         assert "FSDP units of their own" in found["leaves"] and "FSDP2" in found["leaves"]
+        assert torch.allclose(torch.tensor(found["bi_logits"]), bi_expected, atol=1e-5)
+        assert "FSDP units of their own" in found["attention_leaves"]
     assert not any(tmp_path.glob("flat*/adapter_model.safetensors"))
     reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "layers").eval()
+    bi_reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "attention").eval()
+    ubmoe_peft.set_mode(bi_reloaded, "bi")
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, expected)
+        assert torch.equal(bi_reloaded(input_ids=ids).logits, bi_expected)
 
 
 @pytest.mark.parametrize(

@@ -239,7 +239,7 @@ def _common_features(one: Any, other: Any) -> Any:
     columns differ in names or otherwise in type."""
     from datasets import Features, Value
 
-    if list(one) != list(other):
+    if set(one) != set(other):  # the same columns in another order are alike (each file's keys in its own order)
         return None
     common = {}
     for name in one:

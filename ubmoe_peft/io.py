@@ -51,8 +51,16 @@ OUTPUT_SETTINGS = (
     "expert_type", "r", "lora_alpha", "use_rslora", "attention_r", "target_modules", "ffn_projections", "top_k",
     "router_dtype", "layers_to_transform", "modules_to_save",
 )  # fmt: skip
+# Module names hold FSDP1's and torch's activation-checkpoint wrappers as segments (in the middle, for decoder layers
+# as units); the state-dict keys of such a model do not.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 _PENDING_SETTINGS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("ubmoe_pending_settings")
 _OWN_CONFIG: contextvars.ContextVar[bool] = contextvars.ContextVar("ubmoe_own_config")  # from_pretrained, no config=
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` (a module's or key's) without `WRAPPER_SEGMENTS`: the key its tensors have in the state dict."""
+    return functools.reduce(lambda found, segment: found.replace(segment, ""), WRAPPER_SEGMENTS, name)
 
 
 def settings_json(config: dict[str, Any]) -> str:
@@ -352,6 +360,7 @@ def _wrap_safe_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
             atomic_write(filename, lambda tmp: original(tensors, tmp, metadata=metadata))
             return
         _refuse_shards(tensors, filename)
+        tensors = {unwrapped_name(key): tensor for key, tensor in tensors.items()}  # `_wrapped_copy_keys`
         metadata = {**(metadata or {}), SETTINGS_KEY: settings}  # a UBMoE adapter's weights (`_wrap_save_pretrained`)
 
         def write(tmp: str) -> None:
@@ -389,10 +398,14 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             settings = settings_json(self.peft_config[name].to_dict())
             pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
         given = bound.arguments.get("state_dict", bound.arguments.get("kwargs", {}).get("state_dict"))
-        if ubmoe and given is None:  # PEFT failed first, in safetensors, on a DTensor
-            sharded = next((n for n, p in self.named_parameters() if type(p.data).__name__ == "DTensor"), None)
+        if ubmoe and given is None:  # PEFT failed first, in safetensors, on a DTensor (a base one is not saved)
+            adapter = (n for n, p in self.named_parameters() if ".ubmoe_" in n or ".modules_to_save." in n)
+            sharded = next((n for n in adapter if type(self.get_parameter(n).data).__name__ == "DTensor"), None)
             if sharded is not None:
                 _refuse_shards({sharded: self.get_parameter(sharded)}, os.path.join(save_directory, WEIGHTS_NAME))
+            aliases = _wrapped_copy_keys(self)
+            if aliases is not None:
+                bound.arguments.setdefault("kwargs", {})["state_dict"] = aliases
         token = _PENDING_SETTINGS.set(pending)
         writes = bound.arguments.get("is_main_process", True)  # other ranks write nothing, so keep nothing
         paths = [p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))] if writes else []
@@ -412,6 +425,23 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
 
     save_pretrained._ubmoe_wrapped = original  # type: ignore[attr-defined]
     return save_pretrained
+
+
+def _wrapped_copy_keys(model: Any) -> dict | None:
+    """The state dict with each `modules_to_save` copy inside a wrapped unit (an FSDP1 decoder layer, torch's
+    activation-checkpoint wrapper) also under its module's name, or None where there is none. PEFT reads such a copy's
+    tensors under its module name, wrappers included, which no state-dict key holds: a bare KeyError; the keys saved
+    lose the wrappers again when written (`_wrap_safe_save_file`)."""
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    names = [n for n, m in model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper) and unwrapped_name(n) != n]
+    if not names:
+        return None
+    state = model.state_dict()
+    for name in names:
+        plain = unwrapped_name(name)
+        state.update({name + key[len(plain) :]: v for key, v in list(state.items()) if key.startswith(plain + ".")})
+    return state
 
 
 def _alive(pid: str) -> bool:

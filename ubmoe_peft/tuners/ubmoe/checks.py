@@ -261,7 +261,7 @@ def _check_adapter_name(model: nn.Module, adapter_name: str) -> None:
     # Names, not state_dict(): bitsandbytes' state_dict hook changes CPU-repacked 4-bit weights; its extra keys' parts
     keys = [name for named in (model.named_parameters(), model.named_buffers()) for name, _ in named]
     parts = {part for key in keys for part in key.split(".")} | _QUANT_STATE_PARTS
-    parts |= {"base_model", "model", "modules_to_save", "original_module", *_CONTAINERS}
+    parts |= {"base_model", "model", "modules_to_save", "original_module", "base_layer", *_CONTAINERS}  # after wrap
     if "." in adapter_name or adapter_name in parts:
         raise ValueError(
             f"Adapter name {adapter_name!r} "

@@ -177,6 +177,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         adapter = self._current_adapter()
         if adapter is None or adapter not in self.ubmoe_attn_A:
             return
+        self._refuse_fsdp_units(adapter)  # the attention runs before this layer's own forward checks
         a_weight = next(iter(self.ubmoe_attn_A[adapter].values())).weight
         dropout = _dropout_while_trained(self.ubmoe_dropout[adapter], a_weight)
         scale = self.attention_scaling[adapter]
@@ -251,18 +252,25 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 "loaded): a forward would compute garbage. Load its weights with set_peft_model_state_dict(model, "
                 "state_dict, adapter_name, low_cpu_mem_usage=True), or make it without low_cpu_mem_usage."
             )
-        lora_a = self.ubmoe_lora_A[adapter].values() if adapter in self.ubmoe_lora_A else ()
-        if "_fsdp_wrapped_module" in router._modules or any("_fsdp_wrapped_module" in m._modules for m in lora_a):
-            # FSDP1 gathers a unit's weights only in its own forward; the experts and routers are read as tensors
+        self._refuse_fsdp_units(adapter)
+        if ffn == "bi":
+            return self._bi_expert(adapter, x)
+        return self._moe(adapter, x)
+
+    def _refuse_fsdp_units(self, adapter: str) -> None:
+        """FSDP1 gathers a unit's weights only in its own forward; routers and LoRA weights (of the FFN expert and of
+        the attention adapter) are read as tensors, so as units of their own they gave garbage or a bare shape error."""
+        modules = [self.ubmoe_router[adapter]]
+        for name in ("ubmoe_lora_A", "ubmoe_lora_B", "ubmoe_attn_A", "ubmoe_attn_B"):
+            container = getattr(self, name)
+            modules.extend(container[adapter].values() if adapter in container else ())
+        if any("_fsdp_wrapped_module" in module._modules for module in modules):
             raise RuntimeError(
                 f"Adapter {adapter!r}'s routers or LoRA weights are FSDP units of their own (FSDP1 with PEFT's "
                 "fsdp_auto_wrap_policy, which transformers' Trainer applies to every PeftModel): UBMoE reads their "
                 "weights where FSDP1 has not gathered them. Use FSDP2 (fsdp_version 2 in the Trainer's fsdp_config "
                 "or accelerate), or wrap only the decoder layers as FSDP1 units."
             )
-        if ffn == "bi":
-            return self._bi_expert(adapter, x)
-        return self._moe(adapter, x)
 
     def _bi_expert(self, adapter: str, x: torch.Tensor) -> torch.Tensor:
         """The bi expert on every token."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from ...architectures import (
     text_config,
 )
 from ...export import export_moe, saved_module
+from ...io import unwrapped_name
 from .bnb import prepare_quantized_base
 from .checks import (
     ADAPTER_SEGMENT,
@@ -120,7 +120,11 @@ class UBMoEModel(BaseTuner):
         self._take_over(model, adapter_name)
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
         prepare_quantized_base(model)  # bitsandbytes layers: a backward-safe path before any expert is built
-        super().inject_adapter(model, adapter_name, **kwargs)
+        self._ubmoe_injecting = True  # its set_adapter(active adapters) is PEFT's housekeeping, not a user's switch
+        try:
+            super().inject_adapter(model, adapter_name, **kwargs)
+        finally:
+            self._ubmoe_injecting = False
         self._ubmoe_state.keep_trainable(self._adapter_parameters(adapter_name, model))  # a new one while disabled
         self._ubmoe_state.left_adapters.pop(adapter_name, None)  # new parameters under that name
         forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
@@ -184,9 +188,15 @@ class UBMoEModel(BaseTuner):
         return None
 
     def delete_adapter(self, adapter_name: str) -> None:
+        state, active = self._ubmoe_state, list(self.active_adapters)
         super().delete_adapter(adapter_name)
         for name in (adapter_name, *self.active_adapters):  # the new active one is set: what it was left with goes
-            self._ubmoe_state.left_adapters.pop(name, None)
+            state.left_adapters.pop(name, None)
+        if state.trainable is not None:  # inside disable_adapter(): deleted weights go, a new active one's flags hold
+            alive = {id(p) for p in self.model.parameters()}
+            state.trainable = [(p, flag) for p, flag in state.trainable if id(p) in alive]
+            new = [name for name in self.active_adapters if name not in active]
+            state.keep_trainable(p for name in new for p in self._adapter_parameters(name))
         forget_parts(self._decoder_layers)  # they held the deleted adapter's modules
 
     def add_weighted_adapter(self, adapters: Any, weights: Any, adapter_name: str, *args: Any, **kwargs: Any) -> None:
@@ -221,7 +231,9 @@ class UBMoEModel(BaseTuner):
             left = state.left_adapters.pop(name, ())
             for param, trainable in () if name in active else left:  # set again while active: PEFT's rule
                 param.requires_grad_(trainable and not inference_mode)
-        changed = {*active, *names} - (set(active) & set(names))  # PEFT sets the active one again on every new adapter
+        changed = {*active, *names}
+        if getattr(self, "_ubmoe_injecting", False):  # PEFT sets the active one again on every new adapter
+            changed -= set(active) & set(names)
         state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
 
     def _adapter_parameters(self, adapter_name: str, model: nn.Module | None = None) -> list[nn.Parameter]:
@@ -234,7 +246,14 @@ class UBMoEModel(BaseTuner):
     def set_requires_grad(self, adapter_names: str | Sequence[str], requires_grad: bool = True) -> None:
         super().set_requires_grad(adapter_names, requires_grad=requires_grad)
         names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
-        self._ubmoe_state.keep_trainable(p for name in names for p in self._adapter_parameters(name))
+        state = self._ubmoe_state
+        for name in names:  # an inactive adapter: what was set now is what it has when set again
+            params = self._adapter_parameters(name)
+            if name in self.active_adapters:
+                state.left_adapters.pop(name, None)
+            else:
+                state.left_adapters[name] = [(p, p.requires_grad) for p in params]
+            state.keep_trainable(params)
 
     def _enable_adapter_layers(self, enabled: bool = True) -> None:
         # PEFT freezes every adapter weight when disabling and makes the active adapter's all trainable when
@@ -258,11 +277,7 @@ class UBMoEModel(BaseTuner):
         # their front; FSDP1 units inside the model (decoder layers) keep it in the middle, which no key of FSDP's
         # full state dict has: the adapter was saved with no tensor at all.
         # (torch's activation-checkpoint wrapper, which accelerate applies under FSDP, likewise)
-        wrappers = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-        prefixes = {
-            functools.reduce(lambda p, w: p.replace(w, ""), wrappers, p)
-            for p in _get_tuner_state_dict_key_prefixes(model)
-        }
+        prefixes = {unwrapped_name(prefix) for prefix in _get_tuner_state_dict_key_prefixes(model)}
         return _filter_state_dict_by_key_prefixes(state_dict, prefixes)
 
     @classmethod
