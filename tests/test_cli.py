@@ -130,6 +130,8 @@ def test_the_whole_pipeline_from_the_command_line(files, tmp_path, capsys):
                + ["--output", str(tmp_path / "sts.json")])  # fmt: skip
     assert set(sts) == {"uni", "bi"} and all(-100 <= r["spearman"] <= 100 for r in sts.values())
     assert json.loads((tmp_path / "sts.json").read_text()) == sts
+    # train-contrastive read "None" as no prompt and eval-sts embedded it before each text
+    assert run(["eval-sts", *model, "--adapter", stage2, "--data", files["sts"], "--prompt", "None"]) == sts
 
     capsys.readouterr()
     lm = run(["eval-lm", *model, "--adapter", stage2, "--data", files["texts"], "--max_rows", "6"])

@@ -1186,13 +1186,15 @@ def test_a_kv_cache_continues_only_in_the_mode_that_filled_it():
     torch.testing.assert_close(step, logits(model, ids, torch.ones_like(ids))[:, -1], rtol=1e-5, atol=1e-5)
 
 
-def test_a_static_cache_routes_and_counts_as_a_dynamic_one_and_is_reusable_after_reset():
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_static_cache_routes_and_counts_as_a_dynamic_one_and_is_reusable_after_reset(arch):
     """A static cache's 4D mask spans all its slots: routing_stats and track_routing read empty slots as the current
     tokens (a share of 0 at every decode step). And a cache emptied by `reset()` (transformers' way to reuse one)
-    was refused in another mode as if it still held the first mode's states."""
+    was refused in another mode as if it still held the first mode's states. Gemma 2 mixes sliding and full layers:
+    generate then passes one mask per layer type, and the padding was counted as real tokens."""
     from transformers import StaticCache
 
-    model, _ = wrap()
+    model, _ = wrap(arch)
     perturb_adapters(model, std=0.5)
     ids, mask = batch(b=3, t=9)
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)

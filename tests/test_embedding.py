@@ -86,6 +86,10 @@ def test_truncation_keeps_the_end_of_the_template(tokenizer):
     for strategy in ("longest_first", "only_first", TruncationStrategy.LONGEST_FIRST):  # cut the end of the template
         by_name = st[0].preprocess([w(*range(5, 13))], processing_kwargs={"text": {"truncation": strategy}})
         assert by_name["input_ids"].tolist() == [[100, 5, 6, 7, 101, 102]], strategy
+    # a template ending in a special token (`{text}<|im_end|>`): it was counted twice, and the text's last token kept
+    ended = to_sentence_transformer(_wrapped(), tokenizer, pooling="lasttoken", prompt=w(100) + " {text} " + w(101, 2))
+    ended.max_seq_length = 6
+    assert ended[0].preprocess([w(*range(5, 13))])["input_ids"].tolist() == [[100, 5, 6, 7, 101, 2]]
 
 
 def test_a_max_length_passed_to_preprocess_wins(tokenizer):
@@ -520,3 +524,27 @@ def test_a_save_that_fails_over_an_earlier_one_is_refused_at_load_not_mixed(toke
     (tmp_path / "config.json").write_text('{"prompt": "a')  # truncated
     with pytest.raises(UBMoEFileError, match="config.json is not a readable JSON file"):
         load_sentence_transformer(tiny_model(), tmp_path)
+
+
+def test_a_tokenizer_without_a_pad_token_or_attention_mask_embeds_and_stays_as_given(tokenizer):
+    """The wrapper set the caller's own tokenizer's pad token (lasting beyond the call: a collator masking pad ids
+    would never train the end-of-text token), attention_dependence failed on it ("Asking to pad"), and a tokenizer
+    whose model_input_names lack attention_mask gave a bare KeyError in both."""
+    import copy
+
+    from ubmoe_peft import attention_dependence
+
+    model = _wrapped()
+    texts = [w(5, 6, 7, 8), w(9, 10)]
+    expected = to_sentence_transformer(model, tokenizer).encode(texts, convert_to_tensor=True)
+    bare = copy.deepcopy(tokenizer)
+    bare.pad_token = None
+    bare.model_input_names = ["input_ids"]
+    st = to_sentence_transformer(model, bare)
+    torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-6)
+    assert bare.pad_token is None and st.tokenizer.pad_token == bare.eos_token
+    result = attention_dependence(model, bare, texts, mode="bi").average
+    assert result == pytest.approx(attention_dependence(model, tokenizer, texts, mode="bi").average)
+    bare.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad token nor an end-of-text token"):
+        to_sentence_transformer(model, bare)

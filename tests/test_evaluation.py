@@ -11,8 +11,7 @@ from peft import get_peft_model
 from scipy.stats import spearmanr
 
 import ubmoe_peft
-from ubmoe_peft import UBMoEConfig
-from ubmoe_peft.evaluation import lm_loss, multiple_choice_accuracy, sts_spearman
+from ubmoe_peft import UBMoEConfig, lm_loss, multiple_choice_accuracy, sts_spearman  # usage.md gives these names
 
 
 @pytest.fixture

@@ -388,12 +388,28 @@ def test_merging_another_adapter_takes_its_modules_to_save(target):
     torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
-def test_export_refuses_qwen3_with_sliding_window_layers():
-    config = CONFIGS["qwen3"]()
-    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 4, 1
-    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
-    with pytest.raises(ValueError, match="Qwen3 model with use_sliding_window=True"):
-        model.merge_and_unload()
+def test_export_refuses_qwen3_with_sliding_window_layers_only():
+    """Qwen3-MoE places its sliding layers differently; a Qwen3 with use_sliding_window=True but no sliding layer
+    (max_window_layers >= its layers) was refused too."""
+    from conftest import _COMMON
+    from transformers import Qwen3Config
+
+    for window_layers, slides in ((1, True), (2, False)):
+        config = Qwen3Config(
+            **_COMMON, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=window_layers
+        )
+        assert ("sliding_attention" in config.layer_types) == slides
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
+        perturb_adapters(model)
+        if slides:
+            with pytest.raises(ValueError, match="Qwen3 model with sliding-window layers"):
+                model.merge_and_unload()
+            continue
+        ids, mask = batch(padding="left", t=12)
+        expected = logits(model.eval(), ids, mask)
+        out = model.merge_and_unload()
+        real = mask.bool()
+        torch.testing.assert_close(logits(out, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])

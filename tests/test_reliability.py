@@ -118,8 +118,14 @@ def _bidirectional(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _embedding_gemma(model: torch.nn.Module) -> torch.nn.Module:
+    model.config.use_bidirectional_attention = True  # Gemma 2/3's flag (EmbeddingGemma): modes uni and moe too
+    return model
+
+
 BAD_WRAPS = {
     "a bidirectional base": (dict(), _bidirectional, ["is_causal=False", "bi export", "original causal base"]),
+    "an embedding base": (dict(), _embedding_gemma, ["use_bidirectional_attention=True", "EmbeddingGemma"]),
     "target not found": (dict(target_modules=["feedforward"]), None, ["['feedforward']", "not found", "'mlp'"]),
     "no known FFN": (dict(), _rename_ffn, ["mystery", "'mixer'", "target_modules"]),
     "layers out of range": (dict(layers_to_transform=[5]), None, ["[5]", "2 decoder layers", "0..1"]),

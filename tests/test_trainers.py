@@ -509,6 +509,21 @@ def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp
         ContrastiveTrainer(model, tokenizer, args=RouterConfig(output_dir=str(tmp_path)))
 
 
+def test_router_rows_max_length_leaves_nothing_to_train_on_are_counted_or_refused(tokenizer, tmp_path):
+    """TRL drops prompt/completion rows whose completion max_length cuts off entirely: some went silently, and with
+    all gone training failed in torch's sampler ("num_samples should be a positive integer value")."""
+    rows = {"prompt": [w(*range(3, 13)), w(3, 4)], "completion": [w(20, 21), w(22, 23)]}
+    args = RouterConfig(output_dir=str(tmp_path), max_steps=1, max_length=6, **QUIET)
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    with pytest.warns(UserWarning, match=r"1 of the 2 rows of train_dataset were dropped .*max_length=6"):
+        trainer = RouterTrainer(model, args=args, train_dataset=Dataset.from_dict(rows), processing_class=tokenizer)
+    assert len(trainer.train_dataset) == 1
+    long_only = Dataset.from_dict({k: v[:1] for k, v in rows.items()})
+    with pytest.raises(ValueError, match=r"all 1 rows of eval_dataset\['chat'\] were dropped .*Raise max_length"):
+        RouterTrainer(model, args=args, train_dataset=Dataset.from_dict(rows).select([1]),
+                      eval_dataset={"chat": long_only}, processing_class=tokenizer)  # fmt: skip
+
+
 def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
     model = get_peft_model(tiny_model(), UBMoEConfig())
     stage1 = ContrastiveConfig(output_dir=str(tmp_path), **QUIET)

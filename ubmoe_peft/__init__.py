@@ -5,6 +5,7 @@ Importing this package registers the ``UBMOE`` method with PEFT, so ``peft.get_p
 """
 
 from .dependence import DependenceResult, attention_dependence
+from .evaluation import lm_loss, multiple_choice_accuracy, sts_spearman
 from .modes import get_mode, routing_stats, set_mode, set_stage, track_routing, use_mode
 from .tuners.ubmoe import UBMoEConfig, UBMoELayer, UBMoEModel
 
@@ -38,10 +39,13 @@ __all__ = [
     "UBMoEModel",
     "attention_dependence",
     "get_mode",
+    "lm_loss",
     "load_sentence_transformer",
+    "multiple_choice_accuracy",
     "routing_stats",
     "set_mode",
     "set_stage",
+    "sts_spearman",
     "to_sentence_transformer",
     "track_routing",
     "use_mode",

@@ -556,11 +556,11 @@ def _report(results: dict[str, Any], args: EvalArgs, title: str) -> dict[str, An
 def eval_sts(model_args: ModelArgs, data: DataArgs, ev: EvalArgs, embed: EmbedArgs) -> dict[str, Any]:
     """Spearman x 100 of cosine similarity against gold scores, per mode (default: uni and bi)."""
     from .data import check_sts_scores, load_rows
-    from .embedding import check_pooling, check_prompt
+    from .embedding import check_pooling, check_prompt, prompt_or_none
     from .evaluation import sts_spearman
 
     modes = _modes(ev, ["uni", "bi"])  # checked before the model is loaded
-    prompt = None if embed.prompt in (None, "none") else embed.prompt
+    prompt = prompt_or_none(embed.prompt)
     check_prompt(prompt)
     check_pooling(embed.pooling)
     rows = load_rows(data.data, "sts", data.split, data.max_rows, data.data_config)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .architectures import text_config
-from .evaluation import _evaluating, check_collection, check_sizes, check_tokenizer, input_device
+from .evaluation import _evaluating, check_collection, check_sizes, check_tokenizer, input_device, with_pad_token
 from .modes import forward_in_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -75,6 +75,7 @@ def attention_dependence(
             "(a blank line of a text file is one)."
         )
     check_tokenizer(tokenizer)
+    tokenizer = with_pad_token(tokenizer)
     check_sizes(batch_size, max_length)
     if max_length < 2:  # one token attends only to itself: 100% self whatever the mode
         raise ValueError(
@@ -86,7 +87,10 @@ def attention_dependence(
     with _evaluating(model):  # eval: no dropout in the weights read
         for start in range(0, len(texts), batch_size):
             chunk = list(texts[start : start + batch_size])
-            batch = tokenizer(chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length)
+            batch = tokenizer(
+                chunk, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
+                return_attention_mask=True,
+            )  # fmt: skip
             empty = [i for i, n in enumerate(batch["attention_mask"].sum(dim=1).tolist()) if n == 0]
             if empty:  # its 0/0 made every average NaN
                 raise ValueError(

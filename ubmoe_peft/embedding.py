@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from .architectures import backbone
-from .evaluation import check_tokenizer
+from .evaluation import check_tokenizer, with_pad_token
 from .io import UBMoEFileError, read_json_config
 from .modes import forward_in_mode, ubmoe_layers
 from .tuners.ubmoe.state import MODES
@@ -29,6 +29,12 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "to_sentence_transformer needs sentence-transformers: install it with `pip install ubmoe-peft[train]`."
     ) from err
+
+
+def prompt_or_none(prompt: str | None) -> str | None:
+    """``prompt``, or None for the command line's spellings of "no prompt" ("none", "None", ""), alike in every
+    command (eval-sts embedded "None" before each text where train-contrastive read no prompt)."""
+    return None if prompt is None or prompt.lower() in ("", "none") else prompt
 
 
 def check_prompt(prompt: str | None) -> None:
@@ -76,11 +82,9 @@ class UBMoEEncoder(InputModule):
             raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)} ('bi' for embeddings).")
         self.mode = mode
         self.model = model  # registered as a child: ST training updates the expert parameters in place
-        self.tokenizer = tokenizer
+        self.tokenizer = with_pad_token(tokenizer)
         self.prompt = prompt
         self.max_length = max_length
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
 
     @property
     def max_seq_length(self) -> int:
@@ -119,6 +123,7 @@ class UBMoEEncoder(InputModule):
             max_length = self.max_length
         _check_max_length(max_length)
         options: dict[str, Any] = {"padding": True, "truncation": True, "max_length": max_length}
+        options["return_attention_mask"] = True  # also where the tokenizer's model_input_names lack it
         for modality, values in (processing_kwargs or {}).items():
             if modality not in ("text", "common") or not isinstance(values, dict):
                 raise ValueError(
@@ -166,11 +171,15 @@ class UBMoEEncoder(InputModule):
         if all(len(ids) <= limit for ids in full):
             return features
         specials = set(self.tokenizer.all_special_ids)
-        tail = len(self.tokenizer(suffix, add_special_tokens=False)["input_ids"])
+        suffix_ids = self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
+        tail = len(suffix_ids)
+        # the template's own closing special tokens (`<|im_end|>`), which `tail` holds already: counted twice, they
+        # kept a token of the text's cut-off end before the template's end
+        own = next((i for i, t in enumerate(reversed(suffix_ids)) if t not in specials), tail)
         rows = []
         for ids in full:
             end = next(i for i in range(len(ids), -1, -1) if i == 0 or ids[i - 1] not in specials)  # before EOS etc.
-            keep = tail + len(ids) - end  # the template's end and the tokenizer's closing special tokens
+            keep = tail + max(0, len(ids) - end - own)  # the template's end and the tokenizer's closing special tokens
             if len(ids) > limit and keep >= limit:  # returned whole, the row was longer than max_length
                 raise ValueError(
                     f"max_length={limit} cannot hold the end of prompt={self.prompt!r}: the {tail} tokens after "
@@ -181,7 +190,7 @@ class UBMoEEncoder(InputModule):
         padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of")}
         if padding.get("padding") == "max_length":  # else the tokenizer warns that it ignores max_length
             padding["max_length"] = limit
-        return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", **padding))
+        return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", return_attention_mask=True, **padding))
 
     def _prompt_length(self, prompt: str) -> int:
         """Tokens of ``prompt`` at the start of an input (a leading special token included, a trailing one not)."""

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import operator
@@ -105,6 +106,22 @@ def check_sizes(batch_size: Any, max_length: Any) -> None:
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive integer (texts per batch, tokens per text).")
+
+
+def with_pad_token(tokenizer: Any) -> Any:
+    """``tokenizer``, or a copy of it that pads with its end-of-text token where it has no pad token (most decoders'
+    do not): setting it on the caller's own tokenizer lasted beyond the call, and a collator that masks pad ids would
+    then never train the end-of-text token."""
+    if tokenizer.pad_token is not None:
+        return tokenizer
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"The tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an end-of-text token to pad a "
+            "batch with; give it one: tokenizer.pad_token = tokenizer.eos_token (or any token of its vocabulary)."
+        )
+    padded = copy.deepcopy(tokenizer)
+    padded.pad_token = padded.eos_token
+    return padded
 
 
 def check_tokenizer(tokenizer: Any) -> None:

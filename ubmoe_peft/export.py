@@ -43,9 +43,10 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
             f"Cannot export model_type={base_config.model_type!r} with {unsupported}=True to Mixtral, which has no "
             "biases. Use merge_and_unload(target='bi') or keep the adapter separate."
         )
-    if target == "qwen3_moe" and getattr(base_config, "use_sliding_window", False):
+    sliding = "sliding_attention" in (getattr(base_config, "layer_types", None) or [])  # the flag alone slides none
+    if target == "qwen3_moe" and sliding:
         raise ValueError(
-            "Cannot export a Qwen3 model with use_sliding_window=True: Qwen3-MoE places the sliding-window layers "
+            "Cannot export a Qwen3 model with sliding-window layers: Qwen3-MoE places the sliding-window layers "
             "differently, so the export would not equal mode moe. Keep the adapter separate (model.save_pretrained) "
             "or use merge_and_unload(target='bi')."
         )
@@ -54,6 +55,8 @@ def _config(base_config: Any, target: str, top_k: int, dense_layers: list[int]) 
         # Qwen3's (all full attention here; sliding windows are refused above): Qwen3-MoE does not define it, but
         # generate reads it and then hands the model one mask per layer type, which its forward cannot take
         fields.pop("layer_types", None)
+        if target == "qwen3_moe":  # its use_sliding_window slides every layer; here none does
+            fields.update(use_sliding_window=False, sliding_window=None)
     fields.update(num_experts_per_tok=top_k, output_router_logits=False)
     if target == "mixtral":
         fields.update(num_local_experts=2, router_jitter_noise=0.0)

@@ -281,9 +281,9 @@ class ContrastiveConfig(SentenceTransformerTrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.prompt in ("none", "None", ""):  # command-line spelling of "no prompt"
-            self.prompt = None
-        from .embedding import check_pooling, check_prompt
+        from .embedding import check_pooling, check_prompt, prompt_or_none
+
+        self.prompt = prompt_or_none(self.prompt)
 
         check_prompt(self.prompt)
         check_pooling(self.pooling)  # before a model loads (the command line)
@@ -573,6 +573,42 @@ class RouterConfig(SFTConfig):
         super().__post_init__()
 
 
+def _report_dropped_rows(trainer: Any, train: Any, evals: Any) -> None:
+    """TRL's SFT preparation drops rows that `max_length` left without a token to train on (a prompt alone filling
+    it), silently; with all of them gone, training failed in torch's sampler ("num_samples=0")."""
+    given = {"train_dataset": train, **_named(evals)}
+    prepared = {"train_dataset": trainer.train_dataset, **_named(trainer.eval_dataset)}
+    for name, rows in given.items():
+        _report_dropped(name, rows, prepared.get(name), trainer.args)
+
+
+def _named(evals: Any) -> dict[str, Any]:
+    if isinstance(evals, dict):
+        return {f"eval_dataset[{key!r}]": rows for key, rows in evals.items()}
+    return {"eval_dataset": evals}
+
+
+def _report_dropped(name: str, given: Any, kept: Any, args: Any) -> None:
+    try:
+        before, after = len(given), len(kept)
+    except TypeError:  # None, or an iterable dataset: no count
+        return
+    cut = f"max_length={args.max_length} (truncation_mode={args.truncation_mode!r})"
+    if after == 0 and before > 0:
+        raise ValueError(
+            f"RouterTrainer: all {before} rows of {name} were dropped while TRL prepared them: none has a token left "
+            f"to train on (a completion or assistant reply) within {cut}, so the prompts alone fill it. Raise "
+            "max_length (--max_length), or shorten the prompts."
+        )
+    if after < before:
+        warnings.warn(
+            f"RouterTrainer: {before - after} of the {before} rows of {name} were dropped while TRL prepared them: "
+            f"they have no token left to train on within {cut} (or an empty completion). Raise max_length to keep "
+            "them.",
+            stacklevel=4,  # the code that made the trainer
+        )
+
+
 def _routers_in_their_dtype(model: nn.Module) -> None:
     """Put the routers back in config.router_dtype after a cast of the whole model (TRL's QLoRA recipe, or
     transformers' bf16_full_eval outside train()): their logits, and so every top-1 decision, are computed and saved
@@ -618,6 +654,7 @@ class RouterTrainer(SFTTrainer):
         _refuse_float16_weights(model, "RouterTrainer")
         super().__init__(model=model, args=args, **kwargs)
         _routers_in_their_dtype(model)  # TRL's QLoRA recipe casts every trainable parameter to bf16
+        _report_dropped_rows(self, kwargs.get("train_dataset"), kwargs.get("eval_dataset"))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # Stage again when training starts (see ContrastiveTrainer.train): a stage-1 trainer made after this one left

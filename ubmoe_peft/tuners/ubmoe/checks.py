@@ -273,10 +273,15 @@ def _check_adapter_name(model: nn.Module, adapter_name: str) -> None:
 
 def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
-    if getattr(text_config(model), "is_causal", True) is False:  # masking_utils then builds no causal mask at all
+    base = text_config(model)
+    # masking_utils then builds no causal mask at all; Gemma 2/3 read their own flag (EmbeddingGemma's config)
+    flag = "is_causal=False" if getattr(base, "is_causal", True) is False else None
+    flag = "use_bidirectional_attention=True" if getattr(base, "use_bidirectional_attention", False) is True else flag
+    if flag is not None:
         raise ValueError(
-            f"The base model ({type(model).__name__}) has is_causal=False in its config: it is a bidirectional "
-            "model (such as a bi export, `ubmoe export --target bi` or merge_and_unload(target='bi')), so modes uni "
+            f"The base model ({type(model).__name__}) has {flag} in its config: it is a bidirectional "
+            "model (such as a bi export, `ubmoe export --target bi`, merge_and_unload(target='bi'), or an embedding "
+            "model such as EmbeddingGemma), so modes uni "
             "and moe would not be causal either. UBMoE pairs a causal decoder's FFNs with bidirectional twins: wrap "
             "the original causal base model."
         )

@@ -378,7 +378,10 @@ class UBMoEModel(BaseTuner):
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = _cached_length(cache)
-        state.begin_forward(mask if isinstance(mask, torch.Tensor) else None, past)
+        # models mixing sliding and full layers get one 4D mask per layer type from generate (static or hybrid cache,
+        # Gemma 2/3's default): the full layers' marks every real token (none read, all counted as real: padding too)
+        counted = mask.get("full_attention") if isinstance(mask, dict) else mask
+        state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
         state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
         if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
             del cache._ubmoe_filled_in  # emptied (`cache.reset()`, transformers' way to reuse a static cache)
