@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -442,6 +443,13 @@ def test_bad_arguments_and_inputs_are_named(tokenizer):
     assert bare.encode([w(5)]).shape[0] == 1
     assert st.encode([""]).shape[0] == 1  # a template gives it words
     assert bare.encode([""], prompt=w(9) + " ").shape[0] == 1  # and so does a prompt (pooled with it)
+    grown = copy.deepcopy(tokenizer)
+    grown.add_tokens(["added"])  # its id failed in encode with a bare IndexError
+    with pytest.raises(ValueError, match="tokenizer has 129 tokens but the model's input embeddings have 128 rows"):
+        to_sentence_transformer(model, grown)
+    st.prompts = {"query": w(9) + " {text} " + w(10)}  # a prefix: it was embedded braces and all
+    with pytest.raises(ValueError, match=r"prompt .* holds '\{text\}'.*to_sentence_transformer\(prompt=...\)"):
+        st.encode_query([w(5)])
 
 
 def test_save_writes_the_adapter_that_reproduces_the_embeddings(tokenizer, tmp_path):
@@ -530,8 +538,6 @@ def test_a_tokenizer_without_a_pad_token_or_attention_mask_embeds_and_stays_as_g
     """The wrapper set the caller's own tokenizer's pad token (lasting beyond the call: a collator masking pad ids
     would never train the end-of-text token), attention_dependence failed on it ("Asking to pad"), and a tokenizer
     whose model_input_names lack attention_mask gave a bare KeyError in both."""
-    import copy
-
     from ubmoe_peft import attention_dependence
 
     model = _wrapped()

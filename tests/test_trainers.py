@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import batch, perturb_adapters, tiny_model, w
-from datasets import Dataset
+from datasets import Dataset, DatasetDict
 from peft import PeftModel, get_peft_model
 from sentence_transformers import losses
 
@@ -531,6 +531,14 @@ def test_trainers_refuse_data_they_cannot_train_on(tokenizer, tmp_path):
         ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_pairs().select([]))
     with pytest.raises(ValueError, match=r"one column \['text'\].*contrastive_pairs"):
         ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=_texts())
+    # each dataset of a DatasetDict too: as one dataset it passed every check, and the run trained nothing
+    for bad, message in (
+        (_pairs().select([]), r"got a train_dataset\['b'\] with no rows"),
+        (_texts(), r"train_dataset\['b'\] has the one column \['text'\]"),
+        (_pairs().select_columns(["anchor", "positive"]).select([0]), r"1 pair in each batch of train_dataset\['b'\]"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ContrastiveTrainer(model, tokenizer, args=stage1, train_dataset=DatasetDict({"a": _pairs(), "b": bad}))
     with pytest.raises(TypeError, match="needs the model's tokenizer"):
         ContrastiveTrainer(model, args=stage1, train_dataset=_pairs())
     trainer = ContrastiveTrainer(model, processing_class=tokenizer, args=stage1, train_dataset=_pairs())  # TRL's name

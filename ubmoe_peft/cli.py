@@ -96,7 +96,12 @@ class DataArgs:
         default="train",
         metadata={"help": "Split to read (a file holds one, 'train'), or a slice of its rows, e.g. 'train[:90%%]'."},
     )
-    max_rows: int | None = field(default=None, metadata={"help": "Use at most this many rows (the first ones)."})
+    max_rows: int | None = field(
+        default=None,
+        metadata={
+            "help": "Use at most this many rows of --data (the first ones; train-* evaluation rows are not cut)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:

@@ -83,6 +83,16 @@ class UBMoEEncoder(InputModule):
         self.mode = mode
         self.model = model  # registered as a child: ST training updates the expert parameters in place
         self.tokenizer = with_pad_token(tokenizer)
+        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        rows = getattr(embeddings, "num_embeddings", None)
+        if isinstance(rows, int) and len(self.tokenizer) > rows:  # the added tokens' ids failed in encode: IndexError
+            raise ValueError(
+                f"The tokenizer has {len(self.tokenizer)} tokens but the model's input embeddings have {rows} rows: "
+                "tokens were added to the tokenizer and the model was not resized (or was saved resized and loaded "
+                "onto a base that is not). Call base.resize_token_embeddings(len(tokenizer)) before wrapping and "
+                "loading, and train or save the new rows with UBMoEConfig(modules_to_save=['embed_tokens', "
+                "'lm_head'])."
+            )
         self.prompt = prompt
         self.max_length = max_length
 
@@ -118,6 +128,12 @@ class UBMoEEncoder(InputModule):
         if wrong:  # str(None) would be embedded as the text "None"
             i, value = wrong[0]
             raise TypeError(f"Text {i} to embed is {type(value).__name__} {value!r}; this model embeds strings only.")
+        if prompt and "{text}" in prompt:  # it was embedded as written, braces and all, before the template
+            raise ValueError(
+                f"The sentence-transformers prompt {prompt!r} holds '{{text}}', but such prompts are prefixes put "
+                "before the text: a template with '{text}' in it belongs in to_sentence_transformer(prompt=...). "
+                "Drop '{text}' from the prompt (st.prompts / encode(prompt=...))."
+            )
         max_length = kwargs.get("max_length")
         if max_length is None:  # only None is unset: max_length=0 used to fall back to the default silently
             max_length = self.max_length

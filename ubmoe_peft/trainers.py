@@ -47,7 +47,9 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 PAPER_PROMPT = 'The representative word for sentence {text} is:"'
 
 
-def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | None = None, hint: str = "") -> None:
+def _check_dataset(
+    dataset: Any, trainer: str, needs: list[tuple[str, ...]] | None = None, hint: str = "", name: str = "train_dataset"
+) -> None:
     """A train dataset with rows and, when ``needs`` is given, one of its column sets (else a clear error now, not a
     bare KeyError or StopIteration from inside the library that reads it)."""
     if dataset is None or not hasattr(dataset, "column_names"):  # an IterableDataset or a dict of them: theirs
@@ -57,11 +59,38 @@ def _check_dataset(dataset: Any, trainer: str, needs: list[tuple[str, ...]] | No
     except TypeError:
         empty = False
     if empty:
-        raise ValueError(f"{trainer} got a train_dataset with no rows; pass the data to train on.")
+        raise ValueError(f"{trainer} got a {name} with no rows; pass the data to train on.")
     columns = dataset.column_names
     if isinstance(columns, list) and needs and not any(set(c) <= set(columns) for c in needs):
         wanted = " or ".join("(" + ", ".join(c) + ")" for c in needs)
-        raise ValueError(f"{trainer}'s train_dataset has columns {columns}; it needs columns {wanted}.{hint}")
+        raise ValueError(f"{trainer}'s {name} has columns {columns}; it needs columns {wanted}.{hint}")
+
+
+def _check_pairs(train_dataset: Any, loss: Any, batch_size: int) -> None:
+    """Each training dataset (also each of a DatasetDict, which passed every check as one dataset and trained
+    nothing) has rows, and, under the default loss, text pairs and more than one pair per batch."""
+    datasets = train_dataset if isinstance(train_dataset, dict) else {"": train_dataset}
+    for key, dataset in datasets.items():
+        name = f"train_dataset[{key!r}]" if key else "train_dataset"
+        _check_dataset(dataset, "ContrastiveTrainer", name=name)
+        columns = getattr(dataset, "column_names", None)
+        if loss is not None or not isinstance(columns, list):
+            continue
+        if len(columns) < 2:
+            raise ValueError(
+                f"ContrastiveTrainer's {name} has the one column {columns}; the contrastive loss needs text pairs "
+                "(anchor, positive[, negative]). For unsupervised SimCSE, pair each text with itself: "
+                "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column, and train with "
+                "ContrastiveConfig(attention_dropout=0.1), since the two views differ only by dropout."
+            )
+        rows = len(dataset) if hasattr(dataset, "__len__") else batch_size  # streamed: full batches
+        if len(columns) == 2 and min(batch_size, rows) < 2:  # one pair, no negative: the in-batch loss is exactly 0
+            raise ValueError(
+                f"ContrastiveTrainer would put 1 pair in each batch of {name} (per_device_train_batch_size="
+                f"{batch_size}, {rows} rows) and the data has no negative column: the in-batch-negatives "
+                "loss is then 0 for every batch and nothing trains. Use at least 2 pairs per batch (and rows), or "
+                "add a hard-negative column (anchor, positive, negative)."
+            )
 
 
 def _check_loss_model(loss: Any, model: nn.Module) -> None:
@@ -133,8 +162,9 @@ def check_training_counts(config: Any) -> None:
         )
     if not 0 < config.learning_rate < math.inf:  # inf saved NaN weights, nan failed in torch, 0 trained nothing
         raise ValueError(
-            f"learning_rate={config.learning_rate!r} must be a positive, finite number (e.g. 3e-4): 0 would train "
-            "nothing and save the untrained adapter."
+            f"learning_rate={config.learning_rate!r} must be a positive, finite number (e.g. 3e-4): 0 trains "
+            "nothing (and saves the untrained adapter), a negative one trains away from the data, inf or nan break "
+            "the weights."
         )
     neftune = getattr(config, "neftune_noise_alpha", None)
     if neftune is not None and not 0 < neftune < math.inf:  # a negative one failed in training, in torch's uniform_
@@ -343,27 +373,10 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             raise TypeError(
                 "ContrastiveTrainer needs the model's tokenizer: ContrastiveTrainer(model, tokenizer, ...)."
             )
-        _check_dataset(train_dataset, "ContrastiveTrainer")
-        columns = getattr(train_dataset, "column_names", None)
-        if isinstance(columns, list) and len(columns) < 2 and loss is None:
-            raise ValueError(
-                f"ContrastiveTrainer's train_dataset has the one column {columns}; the contrastive loss needs text "
-                "pairs (anchor, positive[, negative]). For unsupervised SimCSE, pair each text with itself: "
-                "ubmoe_peft.data.contrastive_pairs(dataset) on a 'text' column, and train with "
-                "ContrastiveConfig(attention_dropout=0.1), since the two views differ only by dropout."
-            )
         args = args or ContrastiveConfig()
         if not isinstance(args, ContrastiveConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
-        if loss is None and isinstance(columns, list) and len(columns) == 2 and hasattr(train_dataset, "__len__"):
-            pairs = min(args.per_device_train_batch_size, len(train_dataset))
-            if pairs < 2:  # one pair and no negative text: the in-batch-negatives loss is exactly 0
-                raise ValueError(
-                    f"ContrastiveTrainer would put {pairs} pair in each batch (per_device_train_batch_size="
-                    f"{args.per_device_train_batch_size}, {len(train_dataset)} rows) and the data has no negative "
-                    "column: the in-batch-negatives loss is then 0 for every batch and nothing trains. Use at least 2 "
-                    "pairs per batch (and rows), or add a hard-negative column (anchor, positive, negative)."
-                )
+        _check_pairs(train_dataset, loss, args.per_device_train_batch_size)
         set_stage(model, "contrastive")
         _refuse_float16_weights(model, "ContrastiveTrainer")
         self.peft_model = model
@@ -558,8 +571,9 @@ class RouterConfig(SFTConfig):
     bf16: bool | None = field(
         default=None,
         metadata={
-            "help": "bf16 mixed precision. Default (None): on when a CUDA device supports bf16 and fp16 is off, "
-            "else off. (TRL turns it on everywhere, which fails on a CPU-only machine unless use_cpu is set.)"
+            "help": "bf16 mixed precision. Default (None): on when a CUDA device supports bf16 and neither fp16 nor "
+            "use_cpu is set, else off. (TRL turns it on everywhere, which fails on a CPU-only machine unless "
+            "use_cpu is set.)"
         },
     )
 

@@ -91,7 +91,8 @@ class UBMoEConfig(PeftConfig):
         default=None,
         metadata={
             "help": "Filled in when the adapter is created: the base's model_type, hidden_size, FFN (intermediate) "
-            "size and number of decoder layers. Loading the adapter onto a model that differs in any of them fails "
+            "size, number of decoder layers and attention head counts (query and key-value). Loading the adapter "
+            "onto a model that differs in any of them fails "
             "with a message naming both."
         },
     )
