@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ARCH_ATTNS, ARCHS, ATTNS, EXPERTS, batch, perturb_adapters, tiny_model
+from conftest import ARCH_ATTNS, ARCHS, ATTNS, EXPERTS, batch, perturb_adapters, tiny_model, w
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
 from transformers import AutoModelForCausalLM
@@ -1729,3 +1729,19 @@ def test_routing_stats_count_only_real_tokens():
     for four_d in (visible, torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)):
         logits(model, ids, four_d)
         assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(expected)
+
+
+def test_a_text_generation_pipeline_generates_in_the_models_mode(tokenizer):
+    """usage.md's claim: the pipeline gives what generate gives in mode moe, and leaves the mode."""
+    from transformers import pipeline
+
+    model = get_peft_model(tiny_model(), UBMoEConfig(task_type="CAUSAL_LM"))
+    perturb_adapters(model, std=0.3)
+    generator = pipeline("text-generation", model=model.eval(), tokenizer=tokenizer)
+    text = w(5, 6, 7, 8)
+    out = generator(text, max_new_tokens=4, do_sample=False, return_full_text=False)[0]["generated_text"]
+    assert ubmoe_peft.get_mode(model) == "moe"
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
+    assert out.split() == tokenizer.decode(expected).split()

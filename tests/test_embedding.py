@@ -554,3 +554,26 @@ def test_a_tokenizer_without_a_pad_token_or_attention_mask_embeds_and_stays_as_g
     bare.eos_token = None
     with pytest.raises(ValueError, match="neither a pad token nor an end-of-text token"):
         to_sentence_transformer(model, bare)
+
+
+def test_added_tokens_embed_and_reload_with_the_resized_rows_in_modules_to_save(tokenizer, tmp_path):
+    """The way the refusal of a tokenizer larger than the embeddings names: resize, and keep the new rows with
+    modules_to_save, which st.save writes with the adapter."""
+    grown = copy.deepcopy(tokenizer)
+    grown.add_tokens(["added"])
+    base = tiny_model()
+    base.resize_token_embeddings(len(grown))
+    model = get_peft_model(base, UBMoEConfig(modules_to_save=["embed_tokens", "lm_head"]))
+    perturb_adapters(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.mul_(1.5)
+    st = to_sentence_transformer(model, grown)
+    texts = [w(5) + " added " + w(6)]
+    expected = st.encode(texts, convert_to_tensor=True)
+    st.save(str(tmp_path))
+    fresh = tiny_model()
+    fresh.resize_token_embeddings(len(grown))
+    reloaded = load_sentence_transformer(fresh, str(tmp_path))
+    torch.testing.assert_close(reloaded.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-6)

@@ -1103,6 +1103,29 @@ def test_deep_copy_is_independent_of_the_original():
     assert torch.allclose(logits(original, ids), expected)
 
 
+def test_a_copy_or_pickle_carries_no_open_tally_and_no_decode_plan():
+    """A copy made inside `track_routing` kept a tally no one could read, counting every forward of the copy; a
+    pickled decode plan was trusted in the process that loaded it, where torch's hook counter is set from the pickled
+    handles, so a hook added after the plan (and before the save) went unseen by one-token forwards."""
+    import pickle
+
+    original = trained(wrap())
+    ids = torch.arange(3, 10).view(1, 7)
+    with torch.no_grad():
+        original.generate(input_ids=ids, max_new_tokens=3, do_sample=False)  # decode steps make the plans
+    assert all(layer._plans for layer in ubmoe_layers(original))
+    with ubmoe_peft.track_routing(original) as tally:
+        clone = copy.deepcopy(original)
+        loaded = pickle.loads(pickle.dumps(original))
+        logits(original, ids)
+    for other in (clone, loaded):
+        state = ubmoe_layers(other)[0]._state
+        assert state.tallies == [] and state._tallied is None
+        assert not any(layer._plans for layer in ubmoe_layers(other))
+        assert torch.equal(logits(other, ids[:, :1]), logits(original, ids[:, :1]))
+    assert tally.shares() and original.base_model._ubmoe_state.tallies == []
+
+
 def test_errors_are_value_errors():
     assert issubclass(AdapterFileError, UBMoEFileError) and issubclass(AdapterMismatchError, UBMoEFileError)
     assert issubclass(UBMoEFileError, ValueError)

@@ -107,6 +107,14 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         self._plans: dict[str, DecodePlan] = {}  # per adapter, for `planned_moe` (decode steps)
         self.update_layer(adapter_name, config)
 
+    def __getstate__(self) -> dict:
+        # Decode plans are made again: a plan is valid while torch's hook counter stands where it stood, and a pickle
+        # loaded in another process sets that counter from the pickled handles, so a hook added after the plan (and
+        # before the save) went unseen by one-token forwards
+        state = dict(self.__dict__)
+        state["_plans"] = {}
+        return state
+
     # ---- construction -------------------------------------------------------------------------------------------
     def update_layer(self, adapter_name: str, config: UBMoEConfig) -> None:
         """Add adapter ``adapter_name``: a bi expert (LoRA deltas or an FFN copy) and a zero-initialised router."""

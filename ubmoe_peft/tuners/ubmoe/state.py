@@ -163,9 +163,11 @@ class ModeState:
         self.end_forward(failed=True)
 
     def __getstate__(self) -> dict:
-        # A deep copy (TRL reference models) or a pickle gets its own lock, held by no thread
+        # A deep copy (TRL reference models) or a pickle gets its own lock, held by no thread, and no open
+        # `track_routing` block: no one could read a copied tally, which went on counting every forward of the copy
         state = dict(self.__dict__)
         del state["_threads"], state["forward_lock"]
+        state.update(tallies=[], _tallied=None)
         return state
 
     def __setstate__(self, state: dict) -> None:
