@@ -265,6 +265,13 @@ def test_trainability_inside_disable_adapter_is_what_the_same_calls_give_outside
     model.set_requires_grad("default", False)
     model.set_adapter("default")
     assert counts(model, "default") == (0, 14)
+    outside, inside = fresh(), fresh()  # PEFT's set_adapter freezes the other adapters too
+    for model in (outside, inside):
+        model.set_requires_grad("b", True)
+    outside.set_adapter("default")
+    with inside.disable_adapter():
+        inside.set_adapter("default")
+    assert counts(inside, "b") == counts(outside, "b") == (0, 14)
 
 
 def test_an_adapter_saves_whole_under_torchs_activation_checkpoint_wrapper(tmp_path):
@@ -286,6 +293,9 @@ def test_an_adapter_saves_whole_under_torchs_activation_checkpoint_wrapper(tmp_p
     assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
     model.save_pretrained(tmp_path)
     reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path).eval()
+    assert torch.equal(logits(reloaded, ids, mask), expected)
+    model.save_pretrained(tmp_path / "given", state_dict=model.state_dict())  # as the Trainer saves under FSDP
+    reloaded = PeftModel.from_pretrained(tiny_model(), tmp_path / "given").eval()
     assert torch.equal(logits(reloaded, ids, mask), expected)
 
 
@@ -1213,6 +1223,24 @@ def test_a_static_cache_routes_and_counts_as_a_dynamic_one_and_is_reusable_after
         cache.reset()
         again = model.generate(**settings, pad_token_id=0, cache=cache)  # mode moe, on the emptied cache
     assert torch.equal(again, tokens)
+
+
+def test_a_static_cache_counts_routing_over_real_tokens_when_every_layer_slides():
+    """generate then passes one mask per layer type with no full-attention one; the padding was counted."""
+    from conftest import _COMMON
+    from transformers import Qwen3Config, StaticCache
+
+    config = Qwen3Config(**_COMMON, head_dim=8, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig()).eval()
+    perturb_adapters(model, std=0.5)
+    ids, mask = batch(b=3, t=9)
+    settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    shares = []
+    for cache in ({}, {"cache": StaticCache(config=model.config, max_cache_len=64)}):
+        with torch.no_grad(), ubmoe_peft.track_routing(model) as tally:
+            model.generate(**settings, pad_token_id=0, **cache)
+        shares.append(tally.shares())
+    assert shares[1] == pytest.approx(shares[0])
 
 
 def test_mode_bi_takes_a_bidirectional_4d_mask_and_names_a_causal_one():

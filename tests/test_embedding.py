@@ -443,6 +443,8 @@ def test_bad_arguments_and_inputs_are_named(tokenizer):
     assert bare.encode([w(5)]).shape[0] == 1
     assert st.encode([""]).shape[0] == 1  # a template gives it words
     assert bare.encode([""], prompt=w(9) + " ").shape[0] == 1  # and so does a prompt (pooled with it)
+    with pytest.raises(TypeError, match="prompt"):  # not a bare AttributeError from reading "none"
+        ubmoe_peft.ContrastiveConfig(output_dir="unused", prompt=5)
     grown = copy.deepcopy(tokenizer)
     grown.add_tokens(["added"])  # its id failed in encode with a bare IndexError
     with pytest.raises(ValueError, match="tokenizer has 129 tokens but the model's input embeddings have 128 rows"):
@@ -551,6 +553,16 @@ def test_a_tokenizer_without_a_pad_token_or_attention_mask_embeds_and_stays_as_g
     assert bare.pad_token is None and st.tokenizer.pad_token == bare.eos_token
     result = attention_dependence(model, bare, texts, mode="bi").average
     assert result == pytest.approx(attention_dependence(model, tokenizer, texts, mode="bi").average)
+
+    class Uncopyable(type(bare)):  # a custom (Python) pre-tokenizer: "Custom PreTokenizer cannot be serialized"
+        def __deepcopy__(self, memo):
+            raise Exception("Custom PreTokenizer cannot be serialized")
+
+    uncopyable = copy.copy(bare)
+    uncopyable.__class__ = Uncopyable
+    st = to_sentence_transformer(model, uncopyable)
+    torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-6)
+    assert uncopyable.pad_token is None and bare.pad_token is None
     bare.eos_token = None
     with pytest.raises(ValueError, match="neither a pad token nor an end-of-text token"):
         to_sentence_transformer(model, bare)

@@ -34,7 +34,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 def prompt_or_none(prompt: str | None) -> str | None:
     """``prompt``, or None for the command line's spellings of "no prompt" ("none", "None", ""), alike in every
     command (eval-sts embedded "None" before each text where train-contrastive read no prompt)."""
-    return None if prompt is None or prompt.lower() in ("", "none") else prompt
+    return None if isinstance(prompt, str) and prompt.lower() in ("", "none") else prompt  # other types: check_prompt
 
 
 def check_prompt(prompt: str | None) -> None:
@@ -83,7 +83,10 @@ class UBMoEEncoder(InputModule):
         self.mode = mode
         self.model = model  # registered as a child: ST training updates the expert parameters in place
         self.tokenizer = with_pad_token(tokenizer)
-        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+        try:
+            embeddings = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):  # UBMoE never needs it: no check then
+            embeddings = None
         rows = getattr(embeddings, "num_embeddings", None)
         if isinstance(rows, int) and len(self.tokenizer) > rows:  # the added tokens' ids failed in encode: IndexError
             raise ValueError(

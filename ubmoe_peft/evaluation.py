@@ -119,7 +119,12 @@ def with_pad_token(tokenizer: Any) -> Any:
             f"The tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an end-of-text token to pad a "
             "batch with; give it one: tokenizer.pad_token = tokenizer.eos_token (or any token of its vocabulary)."
         )
-    padded = copy.deepcopy(tokenizer)
+    try:
+        padded = copy.deepcopy(tokenizer)
+    except Exception:  # e.g. a custom (Python) pre-tokenizer: "Custom PreTokenizer cannot be serialized"
+        padded = copy.copy(tokenizer)  # shares the backend; its own special-token map, so the caller's stays as is
+        if isinstance(getattr(tokenizer, "_special_tokens_map", None), dict):
+            padded._special_tokens_map = dict(tokenizer._special_tokens_map)
     padded.pad_token = padded.eos_token
     return padded
 

@@ -403,8 +403,11 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             sharded = next((n for n in adapter if type(self.get_parameter(n).data).__name__ == "DTensor"), None)
             if sharded is not None:
                 _refuse_shards({sharded: self.get_parameter(sharded)}, os.path.join(save_directory, WEIGHTS_NAME))
-            aliases = _wrapped_copy_keys(self)
-            if aliases is not None:
+        if ubmoe:  # also a state dict given (transformers' Trainer under FSDP passes the full one)
+            aliases = _wrapped_copy_keys(self, given)
+            if aliases is not None and "state_dict" in bound.arguments:
+                bound.arguments["state_dict"] = aliases
+            elif aliases is not None:
                 bound.arguments.setdefault("kwargs", {})["state_dict"] = aliases
         token = _PENDING_SETTINGS.set(pending)
         writes = bound.arguments.get("is_main_process", True)  # other ranks write nothing, so keep nothing
@@ -427,7 +430,7 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
     return save_pretrained
 
 
-def _wrapped_copy_keys(model: Any) -> dict | None:
+def _wrapped_copy_keys(model: Any, given: dict | None = None) -> dict | None:
     """The state dict with each `modules_to_save` copy inside a wrapped unit (an FSDP1 decoder layer, torch's
     activation-checkpoint wrapper) also under its module's name, or None where there is none. PEFT reads such a copy's
     tensors under its module name, wrappers included, which no state-dict key holds: a bare KeyError; the keys saved
@@ -437,7 +440,7 @@ def _wrapped_copy_keys(model: Any) -> dict | None:
     names = [n for n, m in model.named_modules() if isinstance(m, AuxiliaryTrainingWrapper) and unwrapped_name(n) != n]
     if not names:
         return None
-    state = model.state_dict()
+    state = dict(model.state_dict() if given is None else given)
     for name in names:
         plain = unwrapped_name(name)
         state.update({name + key[len(plain) :]: v for key, v in list(state.items()) if key.startswith(plain + ".")})

@@ -590,7 +590,11 @@ class RouterConfig(SFTConfig):
 def _report_dropped_rows(trainer: Any, train: Any, evals: Any) -> None:
     """TRL's SFT preparation drops rows that `max_length` left without a token to train on (a prompt alone filling
     it), silently; with all of them gone, training failed in torch's sampler ("num_samples=0")."""
-    given = {"train_dataset": train, **_named(evals)}
+    args = trainer.args
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    # TRL drops rows only where it truncates (max_length set, not packing); packing merges rows into fewer
+    given = {} if args.packing else {"train_dataset": train}
+    given.update({} if eval_packing else _named(evals))
     prepared = {"train_dataset": trainer.train_dataset, **_named(trainer.eval_dataset)}
     for name, rows in given.items():
         _report_dropped(name, rows, prepared.get(name), trainer.args)

@@ -231,9 +231,9 @@ class UBMoEModel(BaseTuner):
             left = state.left_adapters.pop(name, ())
             for param, trainable in () if name in active else left:  # set again while active: PEFT's rule
                 param.requires_grad_(trainable and not inference_mode)
-        changed = {*active, *names}
+        changed = {*active, *names, *self.peft_config}  # PEFT's set_adapter freezes every other adapter too
         if getattr(self, "_ubmoe_injecting", False):  # PEFT sets the active one again on every new adapter
-            changed -= set(active) & set(names)
+            changed = {*active, *names} - (set(active) & set(names))
         state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
 
     def _adapter_parameters(self, adapter_name: str, model: nn.Module | None = None) -> list[nn.Parameter]:
@@ -380,7 +380,7 @@ class UBMoEModel(BaseTuner):
         past = _cached_length(cache)
         # models mixing sliding and full layers get one 4D mask per layer type from generate (static or hybrid cache,
         # Gemma 2/3's default): the full layers' marks every real token (none read, all counted as real: padding too)
-        counted = mask.get("full_attention") if isinstance(mask, dict) else mask
+        counted = mask.get("full_attention", mask.get("sliding_attention")) if isinstance(mask, dict) else mask
         state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
         state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
         if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
