@@ -273,6 +273,21 @@ def test_trainability_inside_disable_adapter_is_what_the_same_calls_give_outside
         inside.set_adapter("default")
     assert counts(inside, "b") == counts(outside, "b") == (0, 14)
 
+    def three():  # a third adapter's modules_to_save copy: PEFT's switch leaves it as it is
+        model, _ = wrap(modules_to_save=["lm_head"])
+        for name in ("b", "c"):
+            model.add_adapter(name, UBMoEConfig(modules_to_save=["lm_head"]))
+        ubmoe_peft.set_stage(model, "router")
+        model.set_requires_grad("b", True)
+        return model
+
+    outside, inside = three(), three()
+    outside.set_adapter("c")
+    with inside.disable_adapter():
+        inside.set_adapter("c")
+    flags = [{n: p.requires_grad for n, p in model.named_parameters()} for model in (inside, outside)]
+    assert flags[0] == flags[1] and flags[1]["base_model.model.lm_head.modules_to_save.b.weight"]
+
 
 def test_an_adapter_saves_whole_under_torchs_activation_checkpoint_wrapper(tmp_path):
     """Module names then hold `_checkpoint_wrapped_module.` (accelerate applies the wrapper under FSDP) and the

@@ -1124,6 +1124,8 @@ def test_a_copy_or_pickle_carries_no_open_tally_and_no_decode_plan():
         assert not any(layer._plans for layer in ubmoe_layers(other))
         assert torch.equal(logits(other, ids[:, :1]), logits(original, ids[:, :1]))
     assert tally.shares() and original.base_model._ubmoe_state.tallies == []
+    ubmoe_layers(original)[0].compile(backend="eager")  # a copy ran the original's compiled forward
+    assert "_compiled_call_impl" not in vars(ubmoe_layers(copy.deepcopy(original))[0])
 
 
 def test_errors_are_value_errors():

@@ -111,7 +111,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         # Decode plans are made again: a plan is valid while torch's hook counter stands where it stood, and a pickle
         # loaded in another process sets that counter from the pickled handles, so a hook added after the plan (and
         # before the save) went unseen by one-token forwards
-        state = dict(self.__dict__)
+        state = super().__getstate__()  # nn.Module's: drops a compiled forward (`module.compile()`) from the copy
         state["_plans"] = {}
         return state
 

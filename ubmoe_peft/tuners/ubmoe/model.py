@@ -231,10 +231,17 @@ class UBMoEModel(BaseTuner):
             left = state.left_adapters.pop(name, ())
             for param, trainable in () if name in active else left:  # set again while active: PEFT's rule
                 param.requires_grad_(trainable and not inference_mode)
-        changed = {*active, *names, *self.peft_config}  # PEFT's set_adapter freezes every other adapter too
         if getattr(self, "_ubmoe_injecting", False):  # PEFT sets the active one again on every new adapter
             changed = {*active, *names} - (set(active) & set(names))
-        state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
+            state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
+            return
+        # PEFT's set_adapter freezes every other adapter's UBMoE weights too, but not its modules_to_save copies
+        wrappers = [m for m in self.model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+        copies = {id(p) for m in wrappers for p in m.parameters()}
+        others = set(self.peft_config) - {*active, *names}
+        touched = [p for name in {*active, *names} for p in self._adapter_parameters(name)]
+        touched += [p for name in others for p in self._adapter_parameters(name) if id(p) not in copies]
+        state.keep_trainable(touched)
 
     def _adapter_parameters(self, adapter_name: str, model: nn.Module | None = None) -> list[nn.Parameter]:
         """The adapter's parameters in ``model`` (the base), UBMoE's and its modules_to_save copies: those with the
