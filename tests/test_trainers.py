@@ -525,6 +525,10 @@ def test_router_rows_max_length_leaves_nothing_to_train_on_are_counted_or_refuse
         packed = RouterConfig(output_dir=str(tmp_path), max_steps=1, max_length=32, packing=True, **QUIET)
         short = Dataset.from_dict({"text": [w(3, 4), w(5, 6), w(7, 8), w(9, 10)]})
         RouterTrainer(model, args=packed, train_dataset=short, processing_class=tokenizer)
+        long_prompts = Dataset.from_dict({k: v[:1] for k, v in rows.items()})
+        packed = RouterConfig(output_dir=str(tmp_path), max_steps=1, max_length=6, packing=True, **QUIET)
+        with pytest.raises(ValueError, match="train_dataset has no token to train on after TRL packed it"):
+            RouterTrainer(model, args=packed, train_dataset=long_prompts, processing_class=tokenizer)  # loss 0
     long_only = Dataset.from_dict({k: v[:1] for k, v in rows.items()})
     with pytest.raises(ValueError, match=r"all 1 rows of eval_dataset\['chat'\] were dropped .*Raise max_length"):
         RouterTrainer(model, args=args, train_dataset=Dataset.from_dict(rows).select([1]),

@@ -33,6 +33,7 @@ from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
 
 try:
+    from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.base.model import BaseModel
     from sentence_transformers.base.sampler import BatchSamplers
@@ -598,6 +599,23 @@ def _report_dropped_rows(trainer: Any, train: Any, evals: Any) -> None:
     prepared = {"train_dataset": trainer.train_dataset, **_named(trainer.eval_dataset)}
     for name, rows in given.items():
         _report_dropped(name, rows, prepared.get(name), trainer.args)
+    packed = [n for n in prepared if (args.packing if n == "train_dataset" else eval_packing)]
+    for name in packed:
+        _refuse_unscored(name, prepared[name], args)
+
+
+def _refuse_unscored(name: str, rows: Any, args: Any) -> None:
+    """Packed rows are not dropped: a packed dataset whose every label TRL masked (prompts filling max_length)
+    trained with a loss of 0. Stops at the first row that scores a token, so it reads one row in the usual case."""
+    if not isinstance(rows, Dataset) or "labels" not in rows.column_names or len(rows) == 0:
+        return
+    if any(any(label != -100 for label in row["labels"]) for row in rows.select_columns(["labels"])):
+        return
+    raise ValueError(
+        f"RouterTrainer: {name} has no token to train on after TRL packed it: every completion or assistant reply "
+        f"was cut by max_length={args.max_length}, so the prompts alone fill it. Raise max_length (--max_length), "
+        "or shorten the prompts."
+    )
 
 
 def _named(evals: Any) -> dict[str, Any]:
