@@ -399,16 +399,15 @@ def _wrap_save_pretrained(original: Callable[..., None]) -> Callable[..., None]:
             pending[os.path.abspath(os.path.join(folder, WEIGHTS_NAME))] = settings
         given = bound.arguments.get("state_dict", bound.arguments.get("kwargs", {}).get("state_dict"))
         if ubmoe and given is None:  # PEFT failed first, in safetensors, on a DTensor (a base one is not saved)
-            adapter = (n for n, p in self.named_parameters() if ".ubmoe_" in n or ".modules_to_save." in n)
-            sharded = next((n for n in adapter if type(self.get_parameter(n).data).__name__ == "DTensor"), None)
+            adapter = ((n, p) for n, p in self.named_parameters() if ".ubmoe_" in n or ".modules_to_save." in n)
+            sharded = next((n for n, p in adapter if type(p.data).__name__ == "DTensor"), None)
             if sharded is not None:
                 _refuse_shards({sharded: self.get_parameter(sharded)}, os.path.join(save_directory, WEIGHTS_NAME))
         if ubmoe:  # also a state dict given (transformers' Trainer under FSDP passes the full one)
             aliases = _wrapped_copy_keys(self, given)
-            if aliases is not None and "state_dict" in bound.arguments:
-                bound.arguments["state_dict"] = aliases
-            elif aliases is not None:
-                bound.arguments.setdefault("kwargs", {})["state_dict"] = aliases
+            if aliases is not None:  # where the state dict was given, or PEFT's **kwargs
+                held = bound.arguments if "state_dict" in bound.arguments else bound.arguments.setdefault("kwargs", {})
+                held["state_dict"] = aliases
         token = _PENDING_SETTINGS.set(pending)
         writes = bound.arguments.get("is_main_process", True)  # other ranks write nothing, so keep nothing
         paths = [p for w in pending for p in (w, os.path.join(os.path.dirname(w), CONFIG_NAME))] if writes else []

@@ -235,12 +235,13 @@ class UBMoEModel(BaseTuner):
             changed = {*active, *names} - (set(active) & set(names))
             state.keep_trainable(p for name in changed for p in self._adapter_parameters(name))
             return
-        # PEFT's set_adapter freezes every other adapter's UBMoE weights too, but not its modules_to_save copies
-        wrappers = [m for m in self.model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
-        copies = {id(p) for m in wrappers for p in m.parameters()}
-        others = set(self.peft_config) - {*active, *names}
         touched = [p for name in {*active, *names} for p in self._adapter_parameters(name)]
-        touched += [p for name in others for p in self._adapter_parameters(name) if id(p) not in copies]
+        others = set(self.peft_config) - {*active, *names}
+        if others and state.trainable is not None:  # only inside disable_adapter() is anything kept
+            # PEFT's set_adapter freezes every other adapter's UBMoE weights too, but not its modules_to_save copies
+            wrappers = [m for m in self.model.modules() if isinstance(m, AuxiliaryTrainingWrapper)]
+            copies = {id(p) for m in wrappers for p in m.parameters()}
+            touched += [p for name in others for p in self._adapter_parameters(name) if id(p) not in copies]
         state.keep_trainable(touched)
 
     def _adapter_parameters(self, adapter_name: str, model: nn.Module | None = None) -> list[nn.Parameter]:
@@ -386,7 +387,8 @@ class UBMoEModel(BaseTuner):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = _cached_length(cache)
         # models mixing sliding and full layers get one 4D mask per layer type from generate (static or hybrid cache,
-        # Gemma 2/3's default): the full layers' marks every real token (none read, all counted as real: padding too)
+        # Gemma 2/3's default): the full layers' marks every real token, else the sliding layers' (a model whose layers
+        # all slide); none was read, so padding counted as real tokens
         counted = mask.get("full_attention", mask.get("sliding_attention")) if isinstance(mask, dict) else mask
         state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
         state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
