@@ -52,7 +52,7 @@ def naive_forward(self: ubmoe_peft.UBMoELayer, x: torch.Tensor, *args: Any, **kw
     adapter = self._current_adapter()
     logits = self.router_logits(adapter, x)  # (B, T, 2)
     to_bi = logits[..., 1] > logits[..., 0]  # (B, T)
-    self._state.record(self.layer_idx, to_bi)
+    self._state.record(self.layer_idx, to_bi, logits=False)
     uni = self.base_layer(x)  # (B, T, C)
     bi = self._bi_expert(adapter, x)  # (B, T, C)
     return torch.where(to_bi.unsqueeze(-1), bi, uni)  # (B, T, C)

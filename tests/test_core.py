@@ -1774,6 +1774,34 @@ def test_routing_stats_count_only_real_tokens():
         assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("expert", EXPERTS)
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_a_wrapped_ffn_given_2d_4d_or_empty_inputs_routes_and_counts_like_a_3d_one(top_k, expert):
+    """An FFN called on (N, C), 4-D or 0-token inputs (as some models and callers do): its share is of those tokens
+    (the rank used to say which kind of routing was kept: raw logits were summed), and 0 tokens give 0 tokens out,
+    as the base FFN does, in every mode and with or without autograd."""
+    model, _ = wrap(expert=expert, top_k=top_k, router_gradient="scale")
+    perturb_adapters(model, std=0.3)
+    model.eval()
+    layer = layers(model)[0]
+    state = layer._state
+    for shape in [(60, 32), (200, 32), (2, 3, 20, 32)]:
+        x = torch.randn(shape)
+        state.routing = state.routing_mask = state.token_mask = None  # no forward of the model around this call
+        with torch.no_grad():
+            layer(x)
+            router = layer.router_logits("default", x)  # (..., 2)
+        bi = (router[..., 1] > router[..., 0]).float() if top_k == 1 else router.softmax(-1)[..., 1]
+        assert ubmoe_peft.routing_stats(model)[0] == pytest.approx(float(bi.mean()), abs=1e-6), shape
+    for shape in [(2, 0, 32), (0, 5, 32), (0, 32)]:
+        x = torch.randn(shape)
+        for mode in ("uni", "bi", "moe"):
+            ubmoe_peft.set_mode(model, mode)
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    assert layer(x).shape == layer.base_layer(x).shape == shape, (shape, mode, grad)
+
+
 def test_a_text_generation_pipeline_generates_in_the_models_mode(tokenizer):
     """usage.md's claim: the pipeline gives what generate gives in mode moe, and leaves the mode."""
     from transformers import pipeline

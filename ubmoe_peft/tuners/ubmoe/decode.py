@@ -130,7 +130,7 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
     if weight.is_meta:  # never loaded: the general path says so
         return None
     logits = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight)  # (B, T, 2)
-    state.record(layer.layer_idx, logits)
+    state.record(layer.layer_idx, logits, logits=True)
     picks = [bi > uni for uni, bi in logits.reshape(-1, 2).tolist()]  # strict: ties go to uni; any input rank
     n_bi = sum(picks)
     flat = x.view(-1, x.shape[-1])  # (N, C)
@@ -138,7 +138,7 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
         out = lora_math._gated_mlp_math(plan.ffn, flat)  # (N, C)
     elif plan.copy is not None:
         if n_bi < len(picks):  # each expert on its own rows
-            return layer._split(adapter, x, torch.tensor(picks, device=x.device).view(x.shape[:-1]))
+            return layer._split(adapter, x, torch.tensor(picks, dtype=torch.bool, device=x.device).view(x.shape[:-1]))
         out = lora_math._gated_mlp_math(plan.copy, flat).to(x.dtype)  # (N, C)
     else:
         deltas = tuple(None if p is None else (p[0]["weight"], p[1]["weight"]) for p in plan.lora)
@@ -147,4 +147,4 @@ def planned_moe(layer: UBMoELayer, x: torch.Tensor) -> torch.Tensor | None:
             dtype = next(d for d in deltas if d is not None)[0].dtype  # the rank-r side's (`_add_lora`)
             scale = torch.tensor([[scale if pick else 0.0] for pick in picks], dtype=dtype, device=x.device)
         out = lora_math._gated_mlp_math(plan.ffn, flat, deltas, scale)  # (N, C)
-    return out.view(*x.shape[:-1], -1)  # (B, T, C)
+    return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C); -1 is ambiguous on 0 tokens

@@ -349,12 +349,12 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             # Weights and mixture in fp32 at least: with a float16 router, 0.5 * u + 0.5 * u lost u's low bits, so a
             # fresh model was not the base model
             probs = logits.softmax(dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))  # (B, T, 2)
-            self._state.record(self.layer_idx, probs[..., 1].detach())
+            self._state.record(self.layer_idx, probs[..., 1].detach(), logits=False)
             uni = self._uni_expert(x)  # (B, T, C)
             bi = self._bi_expert(adapter, x)  # (B, T, C)
             return (probs[..., :1] * uni + probs[..., 1:] * bi).to(x.dtype)  # (B, T, C)
 
-        self._state.record(self.layer_idx, logits if not logits.requires_grad else logits.detach())
+        self._state.record(self.layer_idx, logits if not logits.requires_grad else logits.detach(), logits=True)
         router_trains = torch.is_grad_enabled() and self.ubmoe_router[adapter].weight.requires_grad
         if router_trains and self.router_gradient[adapter] == "compare":
             return self._compare(adapter, x, logits)
@@ -370,7 +370,7 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
             n_bi = int(to_bi.sum())  # one host sync per layer; it lets a layer with no routed token skip the expert
         lora = self.expert_type[adapter] == "lora"
         if picks is not None and (torch.is_grad_enabled() or (0 < n_bi < len(picks) and not lora)):
-            to_bi = torch.tensor(picks, device=x.device).view(logits.shape[:-1])  # (B, T)
+            to_bi = torch.tensor(picks, dtype=torch.bool, device=x.device).view(logits.shape[:-1])  # (B, T)
         if n_bi == 0:
             out = self._uni_expert(x)  # (B, T, C)
         elif n_bi == logits.shape[:-1].numel():

@@ -142,10 +142,12 @@ def _gated_mlp_forward(
         return None
     flat = x.reshape(-1, x.shape[-1])  # (N, C)
     if lora is None:
-        return _gated_mlp_math((gate, up, down, act), flat).view(*x.shape[:-1], -1)  # (B, T, C)
-    lora_a, lora_b, scale = lora
-    deltas = tuple((lora_a[name].weight, lora_b[name].weight) if name in lora_a else None for name in GATED_PROJECTIONS)
-    return _gated_mlp_math((gate, up, down, act), flat, deltas, scale).view(*x.shape[:-1], -1)  # (B, T, C)
+        out = _gated_mlp_math((gate, up, down, act), flat)  # (N, C)
+    else:
+        lora_a, lora_b, scale = lora
+        deltas = tuple((lora_a[n].weight, lora_b[n].weight) if n in lora_a else None for n in GATED_PROJECTIONS)
+        out = _gated_mlp_math((gate, up, down, act), flat, deltas, scale)  # (N, C)
+    return out.view(*x.shape[:-1], out.shape[-1])  # (B, T, C); -1 is ambiguous on 0 tokens
 
 
 GATED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

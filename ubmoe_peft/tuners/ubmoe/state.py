@@ -70,7 +70,7 @@ class ModeState:
         self._threads = threading.local()  # .held: this thread's holds taken by `lock_forward`
         self.adapters_enabled = True
         self.token_mask: torch.Tensor | None = None  # (B, S) 1 = real token, from the last forward's attention_mask
-        self.routing: dict[int, torch.Tensor] | None = None  # layer index -> what record() kept, last moe forward
+        self.routing: dict[int, tuple] | None = None  # layer index -> what record() kept, last moe forward
         self.routing_mask: torch.Tensor | None = None  # token_mask of that forward
         self.attention_hooked = False  # whether the layers' mode-bi attention adapters are hooked in (mode bi only)
         self.tallies: list[RoutingTally] = []  # open `track_routing` blocks, each summing every mode-moe forward
@@ -197,8 +197,10 @@ class ModeState:
             self.routing = {}
             self.routing_mask = self.token_mask
 
-    def record(self, layer_idx: int, bi_weight: torch.Tensor) -> None:
-        """Keep a layer's routing without a graph: top-1 router logits (B, T, 2) or the top-2 bi weight (B, T).
+    def record(self, layer_idx: int, routed: torch.Tensor, logits: bool) -> None:
+        """Keep a layer's routing without a graph: top-1 router logits (..., 2) (``logits``) or the top-2 bi weight
+        (...), of the FFN input's shape less its features, usually (B, T). ``logits`` says which, not the rank: an FFN
+        may be given (N, C) or 4-D inputs, where the rank read as the kind summed raw logits.
 
         Only a reference is kept; the share is computed when asked for (`shares`), because reducing it here, in every
         layer at every decode step, cost more than the router itself.
@@ -207,7 +209,7 @@ class ModeState:
             return
         if self.routing is None:
             self.routing, self.routing_mask = {}, self.token_mask
-        self.routing[layer_idx] = bi_weight  # callers pass tensors without a graph (detached)
+        self.routing[layer_idx] = (routed, logits)  # callers pass tensors without a graph (detached)
 
     def shares(self) -> dict[int, float] | None:
         """{layer index: share of real tokens sent to the bi expert} for the last mode-moe forward, or None."""
@@ -235,10 +237,11 @@ class ModeState:
         if not self.routing:
             return None
         result = {}
-        for layer_idx, routed in sorted(self.routing.items()):
-            weight = (routed[..., 1] > routed[..., 0] if routed.dim() == 3 else routed).float()  # (B, T)
+        for layer_idx, (routed, logits) in sorted(self.routing.items()):
+            weight = (routed[..., 1] > routed[..., 0] if logits else routed).float()  # usually (B, T)
             mask = self.routing_mask
-            if mask is not None and mask.shape[0] == weight.shape[0] and mask.shape[1] >= weight.shape[1]:
+            fits = mask is not None and weight.dim() == 2 and mask.shape[0] == weight.shape[0]
+            if fits and mask.shape[1] >= weight.shape[1]:
                 real = mask[:, -weight.shape[1] :].to(weight.device, torch.float32)  # (B, T), the current tokens
                 result[layer_idx] = (float((weight * real).sum()), float(real.sum()))
             else:
