@@ -1183,6 +1183,54 @@ def test_loading_an_adapter_of_other_settings_onto_the_wrapped_base_replaces_the
     torch.testing.assert_close(logits_per_mode(loaded, ids, mask), expected, rtol=1e-5, atol=1e-5)
 
 
+def perturb_copies(model, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+
+
+@pytest.mark.parametrize("name", ["default", "other"])
+def test_a_head_copy_loaded_or_added_onto_the_wrapped_base_runs_and_trains(name, tmp_path):
+    """The README's ``PeftModel.from_pretrained(base, d)`` on the base of a model with a modules_to_save copy: the
+    loaded copy sat in the wrapper switched off (PEFT keeps a wrapper's active adapter when it adds a copy, and the
+    earlier model's was deleted), so every mode ran the original head; a second get_peft_model's copy had no grad."""
+    config = UBMoEConfig(modules_to_save=["lm_head"])
+    source = get_peft_model(tiny_model("llama"), copy.deepcopy(config)).eval()
+    perturb_adapters(source)
+    perturb_copies(source)
+    source.save_pretrained(tmp_path)
+    ids, mask = batch(padding="left")
+    expected = logits_per_mode(source, ids, mask)
+    base = tiny_model("llama")
+    get_peft_model(base, copy.deepcopy(config))
+    loaded = PeftModel.from_pretrained(base, tmp_path, adapter_name=name).eval()
+    torch.testing.assert_close(logits_per_mode(loaded, ids, mask), expected, rtol=1e-5, atol=1e-5)
+    base = tiny_model("llama")
+    get_peft_model(base, copy.deepcopy(config), adapter_name=name)
+    again = get_peft_model(base, copy.deepcopy(config), adapter_name=name)
+    again(ids, attention_mask=mask).logits.sum().backward()
+    head = again.base_model.model.lm_head
+    assert head.active_adapters == [name] and head.modules_to_save[name].weight.grad is not None
+
+
+def test_deleting_the_active_adapter_runs_the_next_ones_head_copy():
+    """The next active adapter's copy stayed switched off where the deleted adapter had none (PEFT's LoRA too)."""
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig(), adapter_name="a")
+    model.add_adapter("b", UBMoEConfig(modules_to_save=["lm_head"]))
+    perturb_adapters(model)
+    perturb_copies(model)
+    model.eval()
+    ids, mask = batch(padding="left")
+    model.set_adapter("b")
+    expected = logits_per_mode(model, ids, mask)
+    model.set_adapter("a")
+    model.delete_adapter("a")
+    assert model.active_adapters == ["b"]
+    torch.testing.assert_close(logits_per_mode(model, ids, mask), expected, rtol=0, atol=0)
+
+
 def test_a_mixed_adapter_batch_is_refused():
     """PEFT's ``adapter_names=`` (one adapter per row) was dropped by PeftModel: every row ran the active adapter."""
     for task_type in (None, "CAUSAL_LM"):

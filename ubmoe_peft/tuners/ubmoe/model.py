@@ -125,6 +125,7 @@ class UBMoEModel(BaseTuner):
             super().inject_adapter(model, adapter_name, **kwargs)
         finally:
             self._ubmoe_injecting = False
+        self._activate_copies(model)  # a base wrapped again: `_take_over` left its modules_to_save wrappers inactive
         self._ubmoe_state.keep_trainable(self._adapter_parameters(adapter_name, model))  # a new one while disabled
         self._ubmoe_state.left_adapters.pop(adapter_name, None)  # new parameters under that name
         forget_parts(model.modules())  # new layers and adapters; a base wrapped again: the dropped earlier adapter's
@@ -159,6 +160,21 @@ class UBMoEModel(BaseTuner):
                 module.delete_adapter(adapter_name, new_active_adapters=None)
         forget_parts(model.modules(), state=True)  # the earlier model's state (its last batch's routing) goes too
 
+    def _activate_copies(self, model: nn.Module) -> None:
+        """Make each modules_to_save wrapper that holds the active adapter's copy run it. PEFT leaves a wrapper's
+        active adapter as it was when it adds a copy to it, and when it deletes an adapter the wrapper never held. So
+        the trained copy silently did not run (nor train) after `_take_over` (``PeftModel.from_pretrained(base, d)`` on
+        the base of an earlier model: its copy was deleted, leaving none active), and after deleting the active
+        adapter for one whose copies sit in other wrappers (PEFT's LoRA has the same gap)."""
+        active = self.active_adapters
+        if len(active) != 1:
+            return
+        (name,) = active
+        for module in model.modules():
+            wrapper = isinstance(module, AuxiliaryTrainingWrapper)
+            if wrapper and name in module._adapters and module.active_adapters != active:
+                module.set_adapter(name, inference_mode=self.peft_config[name].inference_mode)
+
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
 
@@ -190,6 +206,7 @@ class UBMoEModel(BaseTuner):
     def delete_adapter(self, adapter_name: str) -> None:
         state, active = self._ubmoe_state, list(self.active_adapters)
         super().delete_adapter(adapter_name)
+        self._activate_copies(self.model)
         for name in (adapter_name, *self.active_adapters):  # the new active one is set: what it was left with goes
             state.left_adapters.pop(name, None)
         if state.trainable is not None:  # inside disable_adapter(): deleted weights go, a new active one's flags hold
