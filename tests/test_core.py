@@ -1751,8 +1751,9 @@ def test_ffns_that_cannot_be_experts_are_refused_when_wrapping(model_type, messa
         assert [m.layer_idx for m in model.modules() if isinstance(m, UBMoELayer)] == [0]
 
 
-def test_a_multimodal_model_wraps_its_language_model_only():
-    """A vision tower deeper than the text model, with another hidden size: its FFNs are not decoder FFNs."""
+def test_a_multimodal_model_wraps_its_language_model_only(tokenizer):
+    """A vision tower deeper than the text model, with another hidden size: its FFNs are not decoder FFNs. Its text
+    embeds through the SentenceTransformer (it read the hidden size from the top config, which has none)."""
     import transformers as tf
     from conftest import CONFIGS
 
@@ -1783,6 +1784,13 @@ def test_a_multimodal_model_wraps_its_language_model_only():
     torch.testing.assert_close(outputs["uni"], expected, rtol=0, atol=0)
     assert not torch.allclose(outputs["bi"], expected, atol=1e-3) and torch.isfinite(outputs["moe"]).all()
     assert set(ubmoe_peft.routing_stats(model)) == {0, 1}
+    st = ubmoe_peft.to_sentence_transformer(model, tokenizer)
+    assert st.get_sentence_embedding_dimension() == 32
+    text = w(10, 11, 12)
+    with torch.no_grad(), ubmoe_peft.use_mode(model, "bi"):
+        hidden = model.base_model.model.model(input_ids=tokenizer(text, return_tensors="pt")["input_ids"])
+    expected = hidden.last_hidden_state.mean(1)[0]  # (C,)
+    torch.testing.assert_close(st.encode(text, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_registration_survives_reimport():

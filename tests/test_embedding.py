@@ -93,6 +93,48 @@ def test_truncation_keeps_the_end_of_the_template(tokenizer):
     assert ended[0].preprocess([w(*range(5, 13))])["input_ids"].tolist() == [[100, 5, 6, 7, 101, 2]]
 
 
+def test_truncation_counts_the_template_end_as_the_row_holds_it(tmp_path):
+    """A SentencePiece tokenizer (Metaspace, a dummy prefix) tokenizes ``: a`` alone as three tokens but as two after a
+    word: counted alone, an over-long row kept a token of its text's cut-off end ("... three ten: a")."""
+    from tokenizers import Tokenizer, models, processors, trainers
+    from tokenizers import pre_tokenizers as pt
+    from transformers import PreTrainedTokenizerFast
+
+    words = "The representative word for sentence is one two three four five six seven eight nine ten is: a b"
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pt.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.train_from_iterator([words] * 20, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>"]))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", unk_token="<unk>", pad_token="<unk>")
+    template = "The representative word for sentence {text}: a"
+    assert len(fast(": a", add_special_tokens=False)["input_ids"]) == 3  # alone; 2 in the row
+    text = "one two three four five six seven eight nine ten"
+    st = to_sentence_transformer(_wrapped(), fast, pooling="lasttoken", prompt=template, max_length=12)
+    kept = fast.convert_ids_to_tokens(st[0].preprocess([text])["input_ids"][0].tolist())
+    expected = fast.convert_ids_to_tokens(fast(template.replace("{text}", "one two three four"))["input_ids"])
+    assert kept == expected and len(kept) == 12
+
+
+def test_per_call_tokenizer_options_apply_to_a_row_cut_to_keep_the_template_end():
+    """processing_kwargs (``add_special_tokens=False``, ``padding_side``) were dropped when a batch held a row over the
+    limit: the same text embedded otherwise beside an over-long one."""
+    from conftest import WORDS
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(WORDS)}, unk_token=WORDS[3]))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single=f"{WORDS[1]} $A", special_tokens=[(WORDS[1], 1)])
+    with_bos = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=WORDS[1], pad_token=WORDS[0])
+    st = to_sentence_transformer(_wrapped(), with_bos, prompt=w(100) + " {text} " + w(101, 102), max_length=6)
+    options = {"text": {"add_special_tokens": False, "padding_side": "left"}}
+    alone = st[0].preprocess([w(5)], processing_kwargs=options)["input_ids"].tolist()
+    beside = st[0].preprocess([w(*range(5, 13)), w(5)], processing_kwargs=options)["input_ids"].tolist()
+    assert alone == [[100, 5, 101, 102]] and beside == [[100, 5, 6, 7, 101, 102], [0, 0, 100, 5, 101, 102]]
+    features = st[0].preprocess([w(5)], prompt=w(20) + " ", processing_kwargs=options)
+    assert features["prompt_length"] == 1  # the prompt's token, without the BOS these options leave out
+
+
 def test_a_max_length_passed_to_preprocess_wins(tokenizer):
     """sentence-transformers' data collator passes the training arguments' max_length to preprocess, which its own
     Transformer honours over max_seq_length."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .architectures import backbone
+from .architectures import backbone, text_config
 from .evaluation import check_tokenizer, with_pad_token
 from .io import UBMoEFileError, read_json_config
 from .modes import forward_in_mode, ubmoe_layers
@@ -65,6 +65,8 @@ def check_pooling(pooling: Any) -> None:
 
 
 _CUTS_THE_TEXT = ("longest_first", "only_first")  # truncation strategies that cut a single sequence, as True does
+# tokenizer options of a whole batch; the others (add_special_tokens...) say how each text is tokenized
+_BATCH_OPTIONS = ("padding", "truncation", "max_length", "pad_to_multiple_of", "padding_side", "return_tensors")
 
 
 class UBMoEEncoder(InputModule):
@@ -160,13 +162,15 @@ class UBMoEEncoder(InputModule):
                 "'{text}' in it."
             )
         if prompt:
-            features["prompt_length"] = self._prompt_length(prompt)
+            features["prompt_length"] = self._prompt_length(prompt, options)
         return features
 
     def _tokenize(self, texts: list[str], options: dict[str, Any], frame: str) -> dict[str, Any]:
         """The tokenizer's batch, except that a row over ``max_length`` keeps the end of the template (the paper's
         ``is:"``, which last-token pooling reads) and loses the end of its text instead: right truncation used to cut
-        the template's words after ``{text}``. ``frame``: the prompt and template around an empty text."""
+        the template's words after ``{text}``. ``frame``: the prompt and template around an empty text. The caller's
+        per-text options (``add_special_tokens``...) apply to every tokenization here: a row cut here lost them, so a
+        text embedded otherwise beside an over-long one."""
         features = dict(self.tokenizer(texts, return_tensors="pt", **options))
         limit = options.get("max_length")
         if options.get("truncation") in (None, False, "do_not_truncate") or not isinstance(limit, int):
@@ -174,7 +178,8 @@ class UBMoEEncoder(InputModule):
         mask = features.get("attention_mask")
         if mask is not None and int(mask.sum(-1).max()) < limit:  # no row reached the limit: none was cut
             return features
-        frame_length = len(self.tokenizer(frame)["input_ids"])
+        per_text = {k: v for k, v in options.items() if k not in _BATCH_OPTIONS}
+        frame_length = len(self.tokenizer(frame, **per_text)["input_ids"])
         if frame_length >= limit:  # truncation kept the frame alone: every text was embedded as the same one
             raise ValueError(
                 f"max_length={limit} leaves no room for the text: the prompt and template around it ({frame!r} for "
@@ -186,34 +191,55 @@ class UBMoEEncoder(InputModule):
         cuts_the_text = truncation is True or getattr(truncation, "value", truncation) in _CUTS_THE_TEXT
         if not suffix.strip() or not cuts_the_text:
             return features
-        full = self.tokenizer(texts)["input_ids"]  # only a batch with a row at the limit is tokenized in full
-        if all(len(ids) <= limit for ids in full):
+        offsets = bool(getattr(self.tokenizer, "is_fast", False))
+        full = self.tokenizer(texts, return_offsets_mapping=offsets, **per_text)  # only a batch with a row at the limit
+        if all(len(ids) <= limit for ids in full["input_ids"]):
             return features
+        rows = []
+        for i, ids in enumerate(full["input_ids"]):
+            if len(ids) <= limit:
+                rows.append(ids)
+                continue
+            if offsets:
+                keep = self._end_in_context(full["offset_mapping"][i], len(texts[i]) - len(suffix))
+            else:
+                keep = self._end_alone(ids, suffix)
+            if keep >= limit:  # returned whole, the row was longer than max_length
+                raise ValueError(
+                    f"max_length={limit} cannot hold the end of prompt={self.prompt!r}: the text after '{{text}}' "
+                    f"and the closing special tokens take {keep} tokens, which leaves no room for the text. Raise "
+                    f"max_length above {keep} (or shorten the prompt's end)."
+                )
+            rows.append(ids[: limit - keep] + ids[len(ids) - keep :])
+        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of", "padding_side")}
+        if padding.get("padding") == "max_length":  # else the tokenizer warns that it ignores max_length
+            padding["max_length"] = limit
+        return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", return_attention_mask=True, **padding))
+
+    @staticmethod
+    def _end_in_context(offsets: list[tuple[int, int]], start: int) -> int:
+        """Tokens from the first one that reaches into the template's end (character ``start`` on) to the row's end,
+        closing special tokens included, as the row's own offsets say. Tokenized alone, the end could count other
+        tokens than it takes in the row (a SentencePiece dummy prefix, a merge across the text's end), and the row
+        then kept a token of its text's cut-off end."""
+        first = next((j for j, (a, b) in enumerate(offsets) if b > max(a, start)), len(offsets))
+        return len(offsets) - first
+
+    def _end_alone(self, ids: list[int], suffix: str) -> int:
+        """`_end_in_context` for a tokenizer without offsets: the template's end tokenized alone, and the row's
+        closing special tokens."""
         specials = set(self.tokenizer.all_special_ids)
         suffix_ids = self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
         tail = len(suffix_ids)
         # the template's own closing special tokens (`<|im_end|>`), which `tail` holds already: counted twice, they
         # kept a token of the text's cut-off end before the template's end
         own = next((i for i, t in enumerate(reversed(suffix_ids)) if t not in specials), tail)
-        rows = []
-        for ids in full:
-            end = next(i for i in range(len(ids), -1, -1) if i == 0 or ids[i - 1] not in specials)  # before EOS etc.
-            keep = tail + max(0, len(ids) - end - own)  # the template's end and the tokenizer's closing special tokens
-            if len(ids) > limit and keep >= limit:  # returned whole, the row was longer than max_length
-                raise ValueError(
-                    f"max_length={limit} cannot hold the end of prompt={self.prompt!r}: the {tail} tokens after "
-                    f"'{{text}}' and {keep - tail} closing special token(s) leave no room for the text. Raise "
-                    f"max_length above {keep} (or shorten the prompt's end)."
-                )
-            rows.append(ids if len(ids) <= limit else ids[: limit - keep] + ids[len(ids) - keep :])
-        padding = {k: v for k, v in options.items() if k in ("padding", "pad_to_multiple_of")}
-        if padding.get("padding") == "max_length":  # else the tokenizer warns that it ignores max_length
-            padding["max_length"] = limit
-        return dict(self.tokenizer.pad({"input_ids": rows}, return_tensors="pt", return_attention_mask=True, **padding))
+        end = next(i for i in range(len(ids), -1, -1) if i == 0 or ids[i - 1] not in specials)  # before EOS etc.
+        return tail + max(0, len(ids) - end - own)
 
-    def _prompt_length(self, prompt: str) -> int:
+    def _prompt_length(self, prompt: str, options: dict[str, Any]) -> int:
         """Tokens of ``prompt`` at the start of an input (a leading special token included, a trailing one not)."""
-        ids = self.tokenizer(prompt)["input_ids"]
+        ids = self.tokenizer(prompt, **{k: v for k, v in options.items() if k not in _BATCH_OPTIONS})["input_ids"]
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -225,7 +251,7 @@ class UBMoEEncoder(InputModule):
         return features
 
     def get_embedding_dimension(self) -> int:
-        return backbone(self.model).config.hidden_size
+        return text_config(backbone(self.model)).hidden_size  # a multimodal config holds it in its text config
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         """Saves the adapter that embeds (the active one; not the base model), the tokenizer and this module's
