@@ -152,6 +152,14 @@ BAD_WRAPS = {
         None,
         ["'q_proj'", "'model.layers.0.self_attn.q_proj'", "attention_r"],
     ),
+    # accepted and saved in the config, and nothing was trained or saved for it
+    "modules_to_save matches nothing": (dict(modules_to_save=["lm_heads"]), None, ["'lm_heads'", "matches no module"]),
+    # "not found" blamed target_modules
+    "targets kept out by layers_to_transform": (
+        dict(target_modules=["layers.0.mlp"], layers_to_transform=[1]),
+        None,
+        ["match ['model.layers.0.mlp'] (layers [0])", "layers_to_transform=[1]) keeps none"],
+    ),
 }
 
 
@@ -238,6 +246,8 @@ BAD_FIELDS = {
     "layers_to_transform:empty tuple": ((), ["selects no layer", "None for every layer"]),
     "ffn_projections:empty": ([], ["selects no projection", "None for every projection"]),
     "target_modules:empty list": ([], ["selects no module", "None for the FFN found"]),
+    # ignored: the copy expert trained the whole FFN
+    "ffn_projections:copy": (["down_proj"], ["['down_proj']", "expert_type='copy'", "Leave ffn_projections None"]),
 }
 
 
@@ -246,10 +256,39 @@ def test_bad_field_names_value_and_fix(case):
     field = case.split(":")[0]
     value, phrases = BAD_FIELDS[case]
     with pytest.raises(ValueError) as info:
-        ubmoe_peft.UBMoEConfig(**{field: value})
+        ubmoe_peft.UBMoEConfig(**{field: value}, **({"expert_type": "copy"} if case.endswith(":copy") else {}))
     assert f"{field}=" in str(info.value)
     for phrase in phrases:
         assert phrase in str(info.value), (phrase, str(info.value))
+
+
+def test_numpy_numbers_are_taken_as_python_ones(tmp_path):
+    """``top_k=np.int64(1)`` was refused as "must be 1 or 2" (and JSON cannot save NumPy numbers)."""
+    import numpy as np
+
+    config = ubmoe_peft.UBMoEConfig(
+        top_k=np.int64(1), r=np.int32(4), layers_to_transform=[np.int64(0)], lora_alpha=np.float32(8)
+    )
+    assert (config.top_k, config.r, config.layers_to_transform, config.lora_alpha) == (1, 4, [0], 8.0)
+    assert {type(config.top_k), type(config.r), type(config.layers_to_transform[0])} == {int}
+    model = wrap(tiny(), **{k: getattr(config, k) for k in ("top_k", "r", "layers_to_transform", "lora_alpha")})
+    model.save_pretrained(tmp_path)
+    assert ubmoe_peft.UBMoEConfig.from_pretrained(tmp_path).layers_to_transform == [0]
+    assert ubmoe_peft.UBMoEConfig(layers_to_transform=np.int64(1)).layers_to_transform == [1]
+
+
+def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):
+    """PEFT said "Can't find 'adapter_config.json' at ..." for the weights file itself, and asked the Hub for a
+    local path that does not exist."""
+    wrap(tiny()).save_pretrained(tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    for load in (lambda p, **kw: peft.PeftModel.from_pretrained(tiny(), p, **kw), wrap(tiny()).load_adapter):
+        with pytest.raises(ValueError, match=rf"{weights} is a file.*Pass {tmp_path}\."):
+            load(str(weights), adapter_name="other")
+        with pytest.raises(ValueError, match=rf"{tmp_path / 'missing'} does not exist \(a local path"):
+            load(str(tmp_path / "missing"), adapter_name="other")
+        with pytest.raises(ValueError, match=rf"{tmp_path / 'nope'} does not exist"):
+            load(str(tmp_path), adapter_name="other", subfolder="nope")
 
 
 def test_mode_bi_refuses_an_attention_without_bidirectional_support():

@@ -260,6 +260,11 @@ def _local_folder(model_id: Any, subfolder: str | None) -> str | None:
     return folder if os.path.isdir(folder) else None
 
 
+def _looks_local(path: str) -> bool:
+    """A path no Hub id can be (``name`` or ``owner/name``): absolute, relative with ``.``/``~``, or deeper."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1 or os.sep in path.replace("/", "")
+
+
 def is_ubmoe_folder(folder: str) -> bool:
     """True when ``folder``'s adapter_config.json says ``peft_type`` UBMOE (unreadable configs count as not)."""
     try:
@@ -664,6 +669,20 @@ def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
         from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
         folder = _local_folder(model_id, kwargs.get("subfolder"))
+        path = None
+        if folder is None and isinstance(model_id, (str, os.PathLike)):
+            subfolder = kwargs.get("subfolder")
+            path = os.path.join(os.fspath(model_id), subfolder) if subfolder else os.fspath(model_id)
+        if path is not None and os.path.isfile(path):  # PEFT said "Can't find 'adapter_config.json'" at the file
+            raise AdapterFileError(
+                f"{path} is a file, but an adapter is loaded from its folder (adapter_config.json and the weights "
+                f"beside it). Pass {os.path.dirname(os.path.abspath(path))}."
+            )
+        if path is not None and not os.path.exists(path) and _looks_local(os.fspath(model_id)):  # PEFT asked the Hub
+            raise AdapterFileError(
+                f"{path} does not exist (a local path, not a Hub repository id). Pass the folder "
+                "model.save_pretrained(folder) wrote."
+            )
         if folder is not None and not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             # PEFT would go on to ask the Hub for a local folder's missing file; say what is missing instead.
             named = sorted(d for d in os.listdir(folder) if os.path.isfile(os.path.join(folder, d, CONFIG_NAME)))

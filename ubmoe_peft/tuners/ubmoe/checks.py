@@ -3,6 +3,7 @@ every one raises before anything is changed, naming what was given and the fix."
 
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ from .layer import UBMoELayer, selected_projections
 ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
 
 _CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDicts a UBMoE layer holds
+_TASK_HEADS = ("classifier", "score")  # PEFT's modules_to_save for TaskType.SEQ_CLS
 
 
 def in_decoder(model: nn.Module) -> tuple[str, ...]:
@@ -305,6 +307,17 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
                 f"UBMoEConfig(layers_to_transform={config.layers_to_transform}) names layers {bad}, but the model has "
                 f"{len(layers)} decoder layers (0..{len(layers) - 1})."
             )
+    if not targets and config.layers_to_transform is not None:
+        unfiltered = copy.copy(config)
+        unfiltered.layers_to_transform = None
+        found = [name for name, _ in model.named_modules() if name and matches_target(unfiltered, name, decoder)]
+        if found:  # "not found" blamed the name
+            raise ValueError(
+                f"Target modules {config.target_modules!r} match {found[:4]} (layers "
+                f"{sorted({layer_index(n) for n in found} - {None})}), but UBMoEConfig(layers_to_transform="
+                f"{config.layers_to_transform}) keeps none of them. Name their layers in layers_to_transform, or "
+                "widen target_modules (e.g. ['mlp'])."
+            )
     if not targets:
         children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
         regex = (  # a string is matched against the whole module name, as in PEFT
@@ -397,6 +410,16 @@ def _check_modules_to_save(
         for container in _CONTAINERS:
             names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
             names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
+    # Entries that match no module, now or once the experts are built, were accepted and saved, and nothing was
+    # trained or saved for them. PEFT adds "classifier" and "score" for a sequence-classification task (one exists).
+    unmatched = [e for e in config.modules_to_save if e not in _TASK_HEADS and not any(n.endswith(e) for n in names)]
+    if unmatched:
+        outside = [n for n in names if n.count(".") < 2]  # the top of the model: its head, embeddings, norm...
+        raise ValueError(
+            f"UBMoEConfig(modules_to_save={config.modules_to_save!r}): {unmatched[0]!r} matches no module of the "
+            "model (PEFT matches the end of module names), so nothing would be trained or saved for it. Name one of "
+            f"its modules, e.g. {outside[:8]}."
+        )
     wrapped = {n for n, m in modules if isinstance(m, UBMoELayer)} | set(targets)  # every adapter's FFNs
     # The attentions that get or have a mode-bi attention adapter, and the linear layers it hooks in them
     layers = decoder_layers(model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,18 @@ EXPERT_TYPES = ("lora", "copy")
 ROUTER_GRADIENTS = ("compare", "scale")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _plain_number(value: Any) -> Any:
+    """A NumPy (or other library's) integer or real as Python's int or float: they were refused as not a number
+    (``top_k=np.int64(1)``: "top_k must be 1 or 2"), and JSON cannot save them. Anything else as given."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 @dataclass
@@ -56,7 +69,8 @@ class UBMoEConfig(PeftConfig):
         default=None,
         metadata={
             "help": "Names, relative to the FFN, of the linear layers that get LoRA deltas. Default: every linear "
-            "layer inside the FFN (e.g. gate_proj, up_proj, down_proj)."
+            "layer inside the FFN (e.g. gate_proj, up_proj, down_proj). LoRA expert only (a copy expert copies the "
+            "whole FFN)."
         },
     )
     top_k: int = field(
@@ -100,6 +114,12 @@ class UBMoEConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = UBMOE_PEFT_TYPE
+        for name in ("r", "top_k", "attention_r", "lora_alpha", "lora_dropout"):  # NumPy's numbers, as Python's
+            setattr(self, name, _plain_number(getattr(self, name)))
+        if isinstance(self.layers_to_transform, (list, tuple)):
+            self.layers_to_transform = [_plain_number(i) for i in self.layers_to_transform]
+        else:
+            self.layers_to_transform = _plain_number(self.layers_to_transform)
         if self.expert_type not in EXPERT_TYPES:
             raise ValueError(
                 f"UBMoEConfig(expert_type={self.expert_type!r}) is not supported: use one of {list(EXPERT_TYPES)}."
@@ -151,6 +171,13 @@ class UBMoEConfig(PeftConfig):
                     + ", or name some."
                 )
         self._check_types()
+        # Ignored, it trained the whole FFN. Only a new adapter's (one saved so still loads: its copy is what it is)
+        if self.expert_type == "copy" and self.ffn_projections is not None and self.base_model_signature is None:
+            raise ValueError(
+                f"UBMoEConfig(ffn_projections={self.ffn_projections!r}) chooses the projections of a LoRA expert, but "
+                "expert_type='copy' trains a copy of the whole FFN. Leave ffn_projections None, or use "
+                "expert_type='lora'."
+            )
 
     def _check_types(self) -> None:
         """Types that a hand-edited or corrupted adapter_config.json could get wrong, checked before any use."""
