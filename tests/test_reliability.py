@@ -843,6 +843,17 @@ def test_weights_beside_another_saves_config_are_refused(tmp_path, changed):
     peft.PeftModel.from_pretrained(tiny(), new)  # the pair as saved loads
 
 
+def test_a_config_without_keys_that_have_defaults_loads_with_the_defaults(tmp_path):
+    """PEFT fills in a missing key's default; the settings check read it as None and called the files two saves."""
+    trained(wrap()).save_pretrained(tmp_path)
+    path = tmp_path / "adapter_config.json"
+    config = json.loads(path.read_text())
+    del config["expert_type"], config["top_k"]
+    path.write_text(json.dumps(config))
+    loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path)
+    assert (loaded.peft_config["default"].expert_type, loaded.peft_config["default"].top_k) == ("lora", 1)
+
+
 def test_saving_the_same_adapter_twice_gives_the_same_file(tmp_path):
     """safetensors orders metadata from a hash map; with the settings beside "format", the bytes changed per save."""
     model = trained(wrap(expert_type="copy"))

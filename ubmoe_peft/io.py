@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import errno
 import functools
 import inspect
@@ -514,7 +515,11 @@ def _wrap_load_peft_weights(original: Callable[..., dict]) -> Callable[..., dict
 
 def _check_settings(saved: str, config_path: str, weights_path: str) -> None:
     """Refuse weights whose stored settings differ from the config beside them (another save's, or an edit)."""
-    current = json.loads(settings_json(read_json_config(config_path)))
+    from .tuners.ubmoe.config import UBMoEConfig  # (it imports this module)
+
+    # A key the config file lacks takes its default, as PEFT fills it in: "None in the config" contradicted the load
+    defaults = {f.name: f.default for f in dataclasses.fields(UBMoEConfig) if f.default is not dataclasses.MISSING}
+    current = json.loads(settings_json({**defaults, **read_json_config(config_path)}))
     try:
         stored = json.loads(saved)
         differ = [k for k in OUTPUT_SETTINGS if stored[k] != current[k]]
