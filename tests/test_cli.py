@@ -5,7 +5,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -411,7 +413,7 @@ def test_export_names_its_dtype_and_keeps_the_checkpoints_with_dtype_auto(files,
     [
         (["train-router", "--output_dir", "x"], ValueError, "train-router needs --adapter"),
         (["export", "--output_dir", "x"], ValueError, "export needs --adapter"),
-        (["train-contrastive", "--adapter", "a", "--r", "4"], ValueError, r"\['r'\] set a new adapter's shape"),
+        (["train-contrastive", "--adapter", "{lora}", "--r", "4"], ValueError, "is a LORA adapter, not a UBMoE one"),
         (["eval-sts", "--data", "missing.tsv"], ValueError, "'missing.tsv' does not exist"),
         (["eval-sts", "--data", "{texts}"], ValueError, r"has columns \['text'\]; 'sts' needs columns"),
         (["eval-lm", "--data", "{texts}", "--modes", "bi"], ValueError, "mode 'bi' are meaningless"),
@@ -718,6 +720,162 @@ def test_the_next_command_keeps_the_model_options():
     assert _next(given, "export", saved) == expected
     here = SimpleNamespace(output_dir=".")  # Path(".").with_name raised "has an empty name" after training
     assert _next(ModelArgs(), "export", here).endswith(f" --output_dir {shlex.quote(str(Path.cwd()) + '-moe')}")
+
+
+def test_the_next_command_carries_a_seed_that_is_not_the_default():
+    """Stage 2 went on with seed 42 after a stage 1 run with --seed 7, since the printed command dropped it."""
+    seeded = SimpleNamespace(output_dir="out", seed=7)
+    assert (
+        _next(ModelArgs(), "train-router", seeded)
+        == "ubmoe train-router --adapter out --seed 7 --output_dir out-router"
+    )
+    assert "--seed" not in _next(ModelArgs(), "train-router", SimpleNamespace(output_dir="out", seed=42))
+    assert "--seed" not in _next(ModelArgs(), "export", seeded)  # export draws nothing at random
+
+
+def test_a_scripts_args_file_is_not_read(tmp_path, monkeypatch):
+    """transformers' parser also read `<script>.args` beside sys.argv[0]: a script calling cli.run with options of
+    its own got those of a file of that name added, silently."""
+    (tmp_path / "driver.args").write_text("--batch_size 3 --max_length 9\n")
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "driver.py")])
+    _, classes = COMMANDS["eval-lm"]
+    monkeypatch.setitem(COMMANDS, "eval-lm", (lambda *parsed: parsed, classes))
+    evaluation = next(p for p in run(["eval-lm"]) if isinstance(p, EvalArgs))
+    assert (evaluation.batch_size, evaluation.max_length) == (8, 256)
+
+
+def _hub_clone(folder: Path, rows: list[dict]) -> None:
+    """A local clone of a hub dataset of two configurations, so that one must be named: 'triplet' holds ``rows``."""
+    for config in ("pair", "triplet"):
+        (folder / config).mkdir(parents=True)
+        (folder / config / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    card = "".join(
+        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n" for c in ("pair", "triplet")
+    )
+    (folder / "README.md").write_text(f"---\nconfigs:\n{card}---\n")
+
+
+def test_the_evaluation_data_has_its_own_config(files, tmp_path):
+    """--data_config was applied to --eval_data too, so a hub dataset needing a config could not be evaluated against
+    a local file ("'held_out.jsonl' is a local file without any"), nor a local --data against such a hub dataset."""
+    from ubmoe_peft.cli import TrainDataArgs
+    from ubmoe_peft.data import load_rows
+
+    rows = [{"anchor": w(i, i + 1), "positive": w(i + 1), "negative": w(i + 9)} for i in range(3, 9)]
+    hub = tmp_path / "hub"
+    _hub_clone(hub, rows)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"anchor": w(i), "positive": w(i + 1)}) + "\n" for i in range(40, 43)))
+    steps = SimpleNamespace(eval_strategy="steps")
+
+    def eval_rows(**options):
+        data = TrainDataArgs(**options)
+        return data.eval_rows(
+            "contrastive", steps, load_rows(data.data, "contrastive", data.split, None, data.data_config)
+        )
+
+    from_hub = {"data": str(hub), "data_config": "triplet"}
+    assert eval_rows(**from_hub, eval_data=str(held_out))["anchor"] == [w(40), w(41), w(42)]
+    # the evaluation rows come from --data: its config (a slice --split leaves out)
+    assert eval_rows(**from_hub, split="train[:4]", eval_split="train[4:]")["anchor"] == [w(7, 8), w(8, 9)]
+    hub_eval = {"data": files["triplets"], "eval_data": str(hub)}
+    assert len(eval_rows(**hub_eval, eval_data_config="triplet")) == 6
+    with pytest.raises(ValueError, match="Config name is missing.*Choose with --eval_data_config NAME"):
+        eval_rows(**hub_eval)
+    with pytest.raises(
+        ValueError, match="--eval_data_config 'triplet' names a configuration .* Drop --eval_data_config"
+    ):
+        eval_rows(data=str(hub), data_config="triplet", eval_data=str(held_out), eval_data_config="triplet")
+    with pytest.raises(ValueError, match="--eval_data_config give evaluation data, but --eval_strategy is 'no'"):
+        TrainDataArgs(eval_data_config="triplet").eval_rows("contrastive", SimpleNamespace(eval_strategy="no"), [])
+
+
+def test_a_data_file_rewritten_with_the_same_time_is_read_again(tmp_path):
+    """datasets keys its cache of a local file by path and modification time: a file rewritten keeping its time (cp -p,
+    rsync -t, tar x) and size was read from the cache, its old rows trained on without a word; and a local clone of a
+    hub dataset read the rows cached for another clone of the same folder name, wherever it was."""
+    from ubmoe_peft.data import load_rows
+
+    path, hub = tmp_path / "pairs.jsonl", tmp_path / "a" / "hub"
+    for first, second in ((w(5), w(6)), (w(9), w(10))):  # words of two letters: the same size
+        path.write_text(json.dumps({"anchor": first, "positive": second}) + "\n")
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+        assert load_rows(str(path), "contrastive")["anchor"] == [first]
+        if not hub.exists():
+            _hub_clone(hub, [{"anchor": first, "positive": second}])
+        for config in ("pair", "triplet"):  # a local clone of a hub dataset, read through its card
+            (hub / config / "train.jsonl").write_text(path.read_text())
+            os.utime(hub / config / "train.jsonl", (1_700_000_000, 1_700_000_000))
+        assert load_rows(str(hub), "contrastive", config="triplet")["anchor"] == [first]
+    other = tmp_path / "b" / "hub"
+    _hub_clone(other, [{"anchor": w(20), "positive": w(21)}])
+    assert load_rows(str(other), "contrastive", config="triplet")["anchor"] == [w(20)]
+
+
+def test_new_adapter_options_beside_an_adapter_must_be_its_own(files, tmp_path, monkeypatch):
+    """Beside --adapter (loaded with its saved settings) an option differing from its default was refused, and one
+    equal to it dropped without a word: --r 8 --lora_dropout 0.05 trained and saved an adapter of r=4, dropout 0.2."""
+    lora, copy = tmp_path / "a4", tmp_path / "copy"
+    get_peft_model(tiny_model(), UBMoEConfig(r=4, lora_dropout=0.2)).save_pretrained(lora)
+    get_peft_model(tiny_model(), UBMoEConfig(expert_type="copy")).save_pretrained(copy)
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("model load reached")
+
+    monkeypatch.setattr("ubmoe_peft.cli.load_model", stop)
+    train = ["train-contrastive", "--model", files["model"], "--data", files["triplets"]]
+    train += ["--output_dir", str(tmp_path / "out")]
+    refused = [
+        (lora, ["--r", "8", "--lora_dropout", "0.05"], r"--r 8 \(the adapter has r=4\); --lora_dropout 0.05 \(the"),
+        (lora, ["--no_use_rslora"], r"--no_use_rslora \(the adapter has use_rslora=True\)\. Drop them to continue"),
+        (lora, ["--lora_d", "0.05"], r"--lora_dropout 0.05 \(the adapter has lora_dropout=0.2\)"),  # abbreviated
+        (copy, ["--r", "8"], r"--r 8 \(no effect: its expert is a full FFN copy \(expert_type='copy'\), which has"),
+        (copy, ["--layers_to_transform", "0"], r"--layers_to_transform 0 \(the adapter has layers_to_transform=None"),
+    ]
+    for adapter, options, message in refused:
+        with pytest.raises(
+            ValueError, match=f"--adapter '{re.escape(str(adapter))}' is loaded with its own .*{message}"
+        ):
+            run([*train, "--adapter", str(adapter), *options])
+    for adapter, options in ((lora, ["--r", "4", "--lora_dropout", "0.2", "--top_k", "1"]), (copy, ["--top_k", "1"])):
+        with pytest.raises(RuntimeError, match="model load reached"):  # the adapter's own values: nothing is dropped
+            run([*train, "--adapter", str(adapter), *options])
+
+
+def test_training_options_are_checked_before_the_model_loads(files, tmp_path, monkeypatch):
+    """Found only once the model had loaded (minutes for a large one), some after training steps or as a traceback."""
+    seeds = []
+
+    def stop(*args, **kwargs):
+        seeds.append(torch.initial_seed())
+        raise RuntimeError("model load reached")
+
+    monkeypatch.setattr("ubmoe_peft.cli.load_model", stop)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"anchor": w(i), "positive": w(i + 1)}) + "\n" for i in range(3, 6)))
+    out = ["--model", files["model"], "--output_dir", str(tmp_path / "out")]
+    stage1, stage2 = ["train-contrastive", *out], ["train-router", "--adapter", "a", *out]
+    for argv, message in [
+        (
+            [*stage1, "--data", str(pairs), "--per_device_train_batch_size", "1"],
+            "1 pair in each batch .*size=1, 3 rows",
+        ),
+        ([*stage1, "--per_device_eval_batch_size", "0"], r"per_device_eval_batch_size=0 must be a positive integer \("),
+        ([*stage1, "--num_train_epochs", "inf"], r"num_train_epochs=inf must be a finite number .*\(0 < x < inf\)"),
+        ([*stage2, "--seed", "-1"], r"seed=-1 must be a whole number from 0 to 2\*\*32 - 1"),  # numpy's, after the load
+        # a bad checkpoint was named only after the data loaded (here, that it is missing)
+        (
+            [*stage2, "--data", "missing.jsonl", "--resume_from_checkpoint", "no"],
+            "--resume_from_checkpoint 'no' is not",
+        ),
+        ([*stage2, "--trust_remote_code"], "--trust_remote_code: ubmoe-peft never runs code that a model ships"),
+        ([*stage2, "--model_init_kwargs", '{"dtype": "bfloat16"}'], '--model_init_kwargs {"dtype": .*is --dtype'),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            run(argv)
+    with pytest.raises(RuntimeError, match="model load reached"):
+        run([*stage2, "--seed", "7"])
+    assert seeds == [7]  # stage 2 seeds before the model loads, as stage 1 does
 
 
 def test_blank_lines_of_a_text_file_are_not_texts(files, tmp_path):

@@ -466,6 +466,26 @@ def test_resuming_reads_checkpoint_weights_through_the_safe_loader(tokenizer, tm
         trainer.train(resume_from_checkpoint=str(checkpoint))
 
 
+def test_data_seed_orders_stage_1s_batches_as_transformers_does(tokenizer, tmp_path):
+    """sentence-transformers seeds its batch samplers with args.seed, so data_seed did nothing in stage 1 (the same
+    adapter for every value) while it ordered stage 2's data: transformers' Trainer samples with data_seed when it is
+    set. Also a DatasetDict's order of datasets."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+
+    def order(data, **kwargs):
+        args = ContrastiveConfig(
+            output_dir=str(tmp_path), per_device_train_batch_size=8, prompt=None, **QUIET, **kwargs
+        )
+        loader = ContrastiveTrainer(model, tokenizer, args=args, train_dataset=data).get_train_dataloader()
+        return [batch["anchor_input_ids"][:, 0].tolist() for batch in loader]  # each row's first token is its own
+
+    for data in (_pairs(), DatasetDict({"a": _pairs(), "b": _pairs(16)})):
+        for sampler in ("no_duplicates", "batch_sampler"):
+            seeded = order(data, data_seed=1, batch_sampler=sampler)
+            assert seeded == order(data, seed=1, batch_sampler=sampler)  # data_seed, not seed (42), orders the data
+            assert seeded != order(data, data_seed=2, batch_sampler=sampler)
+
+
 def test_contrastive_trainer_refuses_batches_without_negatives(tokenizer, tmp_path):
     """One pair per batch and no negative column: the loss is 0 for every batch, and the run "succeeded" saving an
     untrained adapter. A negative column gives every batch a negative, so batch 1 trains there."""

@@ -8,8 +8,10 @@ it uses the small demo data shipped in the package.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -18,7 +20,7 @@ import shutil
 import sys
 import typing
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,14 @@ class TrainDataArgs(DataArgs):
             "'train' (a file's one split)."
         },
     )
+    eval_data_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Configuration of the evaluation data, where it is a hub dataset with several. Default: "
+            "--data_config when the evaluation rows come from --data (no --eval_data), else none (so a local "
+            "--eval_data file goes with a hub --data that needs a --data_config)."
+        },
+    )
 
     def eval_rows(self, task: str, config: Any, train_rows: Any, text_field: str = "text") -> Any:
         """The evaluation rows, or None; refused unless --eval_strategy evaluates on them, and --eval_strategy
@@ -133,12 +143,12 @@ class TrainDataArgs(DataArgs):
         that are all training rows are refused, some of them named in a warning."""
         from .data import load_rows
 
-        given = self.eval_data is not None or self.eval_split is not None
+        given = any(v is not None for v in (self.eval_data, self.eval_split, self.eval_data_config))
         strategy = str(getattr(config.eval_strategy, "value", config.eval_strategy))
         if given and strategy == "no":
             raise ValueError(
-                "--eval_data / --eval_split give evaluation data, but --eval_strategy is 'no', so it would never be "
-                "used. Add --eval_strategy steps --eval_steps N (or --eval_strategy epoch)."
+                "--eval_data / --eval_split / --eval_data_config give evaluation data, but --eval_strategy is 'no', so "
+                "it would never be used. Add --eval_strategy steps --eval_steps N (or --eval_strategy epoch)."
             )
         if not given:
             if strategy != "no":
@@ -150,8 +160,13 @@ class TrainDataArgs(DataArgs):
             return None
         spec = self.data if self.eval_data is None else self.eval_data
         where = f"--eval_data {spec!r}, --eval_split {self.eval_split!r}"
+        # --data_config names a configuration of --data: another --eval_data has its own (or none, a local file)
+        if self.eval_data is None and self.eval_data_config is None:
+            config_name, option = self.data_config, "--data_config"
+        else:
+            config_name, option = self.eval_data_config, "--eval_data_config"
         try:
-            rows = load_rows(spec, task, self.eval_split or "train", None, self.data_config, text_field)
+            rows = load_rows(spec, task, self.eval_split or "train", None, config_name, text_field, option)
         except ValueError as err:  # its messages name --data / --split: say they are the evaluation data's
             raise ValueError(f"Evaluation data ({where}): {err}") from err
         # By content: the same file spelled two ways, a slice inside --split, overlapping slices all were evaluated on
@@ -298,13 +313,7 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     if args.dtype not in dtypes:
         raise ValueError(f"--dtype {args.dtype!r} is not one of {list(dtypes)}.")
     if args.adapter is not None:  # before loading the model: a foreign adapter would fail only at its first UBMoE call
-        adapter_config = _adapter_config(args.adapter)
-        if not isinstance(adapter_config, UBMoEConfig):
-            raise ValueError(
-                f"--adapter {args.adapter!r} is a {adapter_config.peft_type.value} adapter, not a UBMoE one. The ubmoe "
-                "commands load the adapters that `ubmoe train-contrastive` and `ubmoe train-router` save; load other "
-                "PEFT adapters with peft.PeftModel.from_pretrained."
-            )
+        _ubmoe_adapter_config(args.adapter)
     if args.model == "smollm2":
         if args.gguf_file:  # it would be ignored: --model smollm2 loads its own file
             raise ValueError(
@@ -334,6 +343,18 @@ def load_model(args: ModelArgs, trainable: bool = False, new_adapter: dict | Non
     else:
         model = get_peft_model(model, UBMoEConfig(**(new_adapter or {})))
     return model.train(trainable), tokenizer
+
+
+def _ubmoe_adapter_config(adapter: str) -> UBMoEConfig:
+    """The saved UBMoE adapter's config; another PEFT method's adapter is named with the fix."""
+    config = _adapter_config(adapter)
+    if not isinstance(config, UBMoEConfig):
+        raise ValueError(
+            f"--adapter {adapter!r} is a {config.peft_type.value} adapter, not a UBMoE one. The ubmoe commands load "
+            "the adapters that `ubmoe train-contrastive` and `ubmoe train-router` save; load other PEFT adapters with "
+            "peft.PeftModel.from_pretrained."
+        )
+    return config
 
 
 def _adapter_config(adapter: str) -> Any:
@@ -526,6 +547,71 @@ def _resume(config: Any) -> str | None:
     return folder
 
 
+# New-adapter options that shape only some adapters: given beside an --adapter they do not shape, they do nothing.
+_COPY = "its expert is a full FFN copy (expert_type='copy')"
+_NO_LORA = f"{_COPY} and it has no attention adapter (attention_r=0), so it has no LoRA"
+_TOP_2 = "its routers mix both experts (top_k=2), and router_gradient sets how a top-1 router learns"
+_SHAPES_ONLY = {
+    "r": (lambda c: c.expert_type == "lora", f"{_COPY}, which has no LoRA rank"),
+    "lora_alpha": (lambda c: c.expert_type == "lora" or c.attention_r > 0, _NO_LORA),
+    "lora_dropout": (lambda c: c.expert_type == "lora" or c.attention_r > 0, _NO_LORA),
+    "use_rslora": (lambda c: c.expert_type == "lora" or c.attention_r > 0, _NO_LORA),
+    "router_gradient": (lambda c: c.top_k == 1, _TOP_2),
+}
+
+
+def _check_options_beside_adapter(adapter: str, given: dict[str, Any]) -> None:
+    """New-adapter options given beside --adapter, which loads with its own saved settings: each must be the
+    adapter's own value, where it shapes that adapter (a value equal to the option's default was dropped without a
+    word, one that differed refused)."""
+    if not given:
+        return
+    saved = _ubmoe_adapter_config(adapter)
+
+    def same(name: str, value: Any) -> bool:
+        ours = getattr(saved, name)
+        if name == "layers_to_transform":  # saved as an index, a list, or None for every layer
+            ours = [ours] if isinstance(ours, int) else ours
+            return ours is not None and sorted(set(ours)) == sorted(set(value))
+        return ours == value
+
+    def shown(name: str, value: Any) -> str:
+        if isinstance(value, bool):
+            return f"--{name}" if value else f"--no_{name}"
+        return f"--{name} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+
+    wrong = []
+    for name, value in given.items():
+        applies, why = _SHAPES_ONLY.get(name, (lambda c: True, ""))
+        if not applies(saved):
+            wrong.append(f"{shown(name, value)} (no effect: {why})")
+        elif not same(name, value):
+            wrong.append(f"{shown(name, value)} (the adapter has {name}={getattr(saved, name)!r})")
+    if wrong:
+        raise ValueError(
+            f"--adapter {adapter!r} is loaded with its own saved settings, which these new-adapter options would not "
+            f"change: {'; '.join(wrong)}. Drop them to continue training that adapter, or drop --adapter to start a "
+            "new one with them."
+        )
+
+
+def _refuse_model_loading_options(config: Any) -> None:
+    """TRL's options for a model that SFTTrainer loads by name; train-router loads --model itself, so they were
+    accepted and ignored."""
+    if config.trust_remote_code:
+        raise ValueError(
+            "--trust_remote_code: ubmoe-peft never runs code that a model ships (no remote code, in every command), "
+            "and train-router loads --model with transformers' own classes, so it would be ignored. Drop it; a model "
+            "whose architecture transformers does not include is not supported."
+        )
+    if config.model_init_kwargs:
+        raise ValueError(
+            f"--model_init_kwargs {json.dumps(config.model_init_kwargs)}: TRL passes these only to a model it loads "
+            "by name, and train-router loads --model itself, so they would be ignored. Drop it; the weights' dtype is "
+            "--dtype (float32, bfloat16, float16 or auto)."
+        )
+
+
 def _modes(args: EvalArgs, default: list[str]) -> list[str]:
     from .tuners.ubmoe.state import MODES
 
@@ -628,18 +714,19 @@ def dependence(model_args: ModelArgs, data: DataArgs, ev: EvalArgs) -> dict[str,
 SIMCSE_DROPOUT = 0.1  # SimCSE's dropout rate (Gao, Yao and Chen, 2021), here on the attention weights
 
 
-def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, config: Any) -> str:
-    """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir."""
+def train_contrastive(
+    model_args: ModelArgs, data: TrainDataArgs, adapter: Any, config: Any, given: Collection[str] | None = None
+) -> str:
+    """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir. ``given``: the options
+    given on the command line (None: those that differ from their defaults)."""
     from .data import contrastive_pairs, load_rows
-    from .trainers import ContrastiveTrainer
+    from .trainers import ContrastiveTrainer, _check_pairs
 
     settings = dataclasses.asdict(adapter)
-    changed = {k: v for k, v in settings.items() if v != AdapterArgs.__dataclass_fields__[k].default}
-    if model_args.adapter is not None and changed:
-        raise ValueError(
-            f"{sorted(changed)} set a new adapter's shape, but --adapter {model_args.adapter} is loaded with its own "
-            "saved settings. Drop those options to continue training it, or drop --adapter to start a new one."
-        )
+    if given is None:
+        given = [k for k, v in settings.items() if v != AdapterArgs.__dataclass_fields__[k].default]
+    if model_args.adapter is not None:
+        _check_options_beside_adapter(model_args.adapter, {k: v for k, v in settings.items() if k in given})
     _check_adapter_output(config.output_dir)
     resume = _resume(config)
     check_report_to(config)
@@ -666,11 +753,12 @@ def train_contrastive(model_args: ModelArgs, data: TrainDataArgs, adapter: Any, 
             "--eval_data.",
             stacklevel=2,
         )
-    seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
-    model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     rows = contrastive_pairs(rows)
+    _check_pairs(rows, None, config.per_device_train_batch_size)  # the trainer's own check, before the model loads
     if eval_rows is not None:
         eval_rows = contrastive_pairs(eval_rows)
+    seed_everything(config)  # before the new adapter's random init, which the trainer's own seeding comes after
+    model, tokenizer = load_model(model_args, trainable=True, new_adapter=settings)
     with _removed_if_left_empty(config.output_dir):
         trainer = ContrastiveTrainer(model, tokenizer, args=config, train_dataset=rows, eval_dataset=eval_rows)
         trainer.train(resume_from_checkpoint=resume)
@@ -700,8 +788,14 @@ def _next(model_args: ModelArgs, command: str, config: Any, own_data: bool = Fal
     saved = Path(config.output_dir)
     beside = saved if saved.name else saved.resolve()  # "." or "..": name the folder beside it by its real name
     output = beside.with_name(beside.name + {"train-router": "-router", "export": "-moe"}[command])
-    data = " --data CHATS" if own_data and command == "train-router" else ""
-    return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{data} --output_dir {shlex.quote(str(output))}"
+    more = " --data CHATS" if own_data and command == "train-router" else ""
+    seed = getattr(config, "seed", None)
+    if command == "train-router" and seed is not None:
+        from .trainers import RouterConfig
+
+        if seed != RouterConfig.seed:  # stage 2 went on with the default seed
+            more += f" --seed {seed}"
+    return f"ubmoe {command}{options} --adapter {shlex.quote(str(saved))}{more} --output_dir {shlex.quote(str(output))}"
 
 
 def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str:
@@ -711,13 +805,15 @@ def train_router(model_args: ModelArgs, data: TrainDataArgs, config: Any) -> str
 
     if model_args.adapter is None:
         raise ValueError("train-router needs --adapter, the folder that train-contrastive saved the experts to.")
+    _refuse_model_loading_options(config)
     _check_adapter_output(config.output_dir)
+    resume = _resume(config)
     check_report_to(config)
     config = _trained_on(model_args.device, config)
     rows = load_rows(data.data, "sft", data.split, data.max_rows, data.data_config, config.dataset_text_field)
     eval_rows = data.eval_rows("sft", config, rows, config.dataset_text_field)
     config.dataset_text_field = "text"  # load_rows named the column so
-    resume = _resume(config)
+    seed_everything(config)  # as stage 1: everything seeded before the model loads
     model, tokenizer = load_model(model_args, trainable=True)
     with _removed_if_left_empty(config.output_dir):
         trainer = RouterTrainer(
@@ -816,8 +912,22 @@ def run(argv: Sequence[str]) -> Any:
     for action in parser._actions:  # HfArgumentParser makes a `bool | None = None` option (RouterConfig's --bf16)
         if action.type is string_to_bool and action.nargs is None:  # need a value; bare, it means true as for bools
             action.nargs, action.const = "?", True
-    parsed = parser.parse_args_into_dataclasses(args=rest)
+    # look_for_args_file: transformers' parser also reads a `<script>.args` file beside sys.argv[0] (a caller's own
+    # script's name), silently adding its options to these
+    parsed = parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
+    if "given" in inspect.signature(function).parameters:
+        return function(*parsed, given=_given_options(parser, rest))
     return function(*parsed)
+
+
+def _given_options(parser: Any, argv: Sequence[str]) -> set[str]:
+    """The options ``argv`` gives (their dataclass field names): argparse fills in every default, so an option given
+    its default value looks the same as one left out. Parsed again into a namespace where every option is already
+    set, which argparse then does not fill in (abbreviations and --no_ flags resolve as in the real parse)."""
+    unset = object()
+    namespace = argparse.Namespace(**{a.dest: unset for a in parser._actions if a.dest != argparse.SUPPRESS})
+    parser.parse_known_args(argv, namespace=namespace)
+    return {name for name, value in vars(namespace).items() if value is not unset}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,10 +39,11 @@ def load_rows(
     limit: int | None = None,
     config: str | None = None,
     text_field: str = "text",
+    config_option: str = "--data_config",
 ) -> Any:
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id, with its ``config`` where it has
     several; None: the demo data). ``text_field`` is read as the plain-text column "text" (TRL's
-    ``dataset_text_field``)."""
+    ``dataset_text_field``); ``config_option`` is the command-line option that gave ``config``, for errors."""
     from datasets import load_from_disk
 
     if spec is None:
@@ -51,16 +52,16 @@ def load_rows(
     card = path.is_dir() and _declares_configs(path)  # a clone of a hub dataset: its card says how to read it
     if config is not None and path.exists() and not card:
         raise ValueError(
-            f"--data_config {config!r} names a configuration of a hub dataset, but {spec!r} is a local "
+            f"{config_option} {config!r} names a configuration of a hub dataset, but {spec!r} is a local "
             f"{'folder' if path.is_dir() else 'file'} without any (no dataset card lists configs). Drop "
-            "--data_config."
+            f"{config_option}."
         )
     if not path.exists() and _suffix(path) in _SUFFIXES:
         raise ValueError(f"Data file {spec!r} does not exist; check the path (relative to {Path.cwd()}).")
     if path.is_file():
         rows = _select_split({"train": _read_file(path)}, split, "a single data file")
     elif card:
-        rows = _load_hub_dataset(spec, config, split)
+        rows = _load_hub_dataset(spec, config, split, config_option, _content_cache(path))
     elif (path / "dataset_info.json").is_file() and (path / "state.json").is_file():
         # One `Dataset.save_to_disk` folder, which load_dataset refuses: it holds one split, as a single file does,
         # and --split slices it the same way.
@@ -72,7 +73,7 @@ def load_rows(
     elif path.is_dir():
         rows = _select_split(_read_folder(path.absolute()), split, f"data folder {spec!r}")
     else:
-        rows = _load_hub_dataset(spec, config, split)
+        rows = _load_hub_dataset(spec, config, split, config_option)
     if text_field != "text":
         if text_field not in rows.column_names:
             raise ValueError(
@@ -105,12 +106,15 @@ def _declares_configs(folder: Path) -> bool:
     return isinstance(configs, list) and all(isinstance(c, dict) for c in configs) and bool(configs)
 
 
-def _load_hub_dataset(spec: str, config: str | None, split: str) -> Any:
-    """``load_dataset(spec, config, split=split)``, its failures named for the command line."""
+def _load_hub_dataset(
+    spec: str, config: str | None, split: str, config_option: str = "--data_config", cache: dict | None = None
+) -> Any:
+    """``load_dataset(spec, config, split=split)``, its failures named for the command line; ``cache``: the
+    keywords of a local folder's `_content_cache`."""
     from datasets import load_dataset
 
     try:
-        return load_dataset(spec, name=config, split=split)
+        return load_dataset(spec, name=config, split=split, **(cache or {}))
     except (FileNotFoundError, ConnectionError) as err:
         raise ValueError(
             f"Cannot load data {spec!r}: it is not an existing file and loading it as a dataset folder or hub "
@@ -118,7 +122,7 @@ def _load_hub_dataset(spec: str, config: str | None, split: str) -> Any:
         ) from err
     except ValueError as err:  # e.g. "Config name is missing", an unknown config or split: datasets lists them
         detail = " ".join(str(err).split("Example of usage")[0].split())  # one line, without a Python call
-        option = "--data_config NAME" if "config" in detail.lower() else "--split NAME"
+        option = f"{config_option} NAME" if "config" in detail.lower() else "--split NAME"
         raise ValueError(f"Cannot load data {spec!r}: {detail} Choose with {option}.") from err
 
 
@@ -164,7 +168,7 @@ def _read_file(path: Path) -> Any:
     if loader == "csv":  # only an empty cell is missing (pandas by default also takes "NA", "null", "nan")
         extra.update(keep_default_na=False, na_values=[""])
     try:
-        rows = load_dataset(loader, data_files=str(path), split="train", **extra)
+        rows = load_dataset(loader, data_files=str(path), split="train", **extra, **_content_cache(path))
     except (DatasetGenerationError, StopIteration, ValueError) as err:  # pandas' and pyarrow's errors are ValueErrors
         cause = err.__cause__ or err
         if "corresponds to no data" in str(cause):  # datasets' words for a file without rows (a header alone)
@@ -176,6 +180,29 @@ def _read_file(path: Path) -> Any:
     if loader == "text":  # one text per line: blank lines separate texts, they are not texts
         rows = rows.filter(lambda row: bool(row["text"].strip()))
     return rows
+
+
+def _content_cache(path: Path) -> dict[str, str]:
+    """``load_dataset``'s ``cache_dir`` for local data ``path`` (a file, or a folder's files): one keyed by their
+    content. datasets keys its cache of a local file by path and modification time, so a file rewritten with the
+    same time (``cp -p``, ``rsync -t``, ``tar x``) was read from the cache: the old rows, without a word. Unchanged
+    data still reads from its cache (``download_mode="force_redownload"`` would rebuild it on every load, and under
+    torchrun each process would rebuild the folder the others read)."""
+    import datasets
+    import xxhash  # datasets' own fingerprint hash
+
+    def hidden(file: Path) -> bool:  # .git of a cloned hub dataset: not data, and often large
+        return any(part.startswith(".") for part in file.relative_to(path).parts)
+
+    digest = xxhash.xxh3_128()
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file() and not hidden(f))
+    for file in files:
+        name = "" if file == path else str(file.relative_to(path))
+        digest.update(f"{name}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return {"cache_dir": str(Path(datasets.config.HF_DATASETS_CACHE) / "ubmoe-content" / digest.hexdigest())}
 
 
 def _suffix(path: Path) -> str:

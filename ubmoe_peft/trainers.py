@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Iterator
@@ -145,21 +146,40 @@ def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:
 
 def check_training_counts(config: Any) -> None:
     """Counts that transformers' TrainingArguments take unchecked: a batch size of 0 failed in torch's sampler
-    without naming the option, 0 accumulation steps divided by zero, 0 epochs "trained" and saved an untrained
-    adapter, and a negative ``max_steps`` other than -1 ("not set") silently trained by epochs."""
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+    without naming the option (an evaluation batch size of 0 at the first evaluation, after training steps), 0
+    accumulation steps divided by zero, 0 epochs "trained" and saved an untrained adapter, infinite epochs failed
+    with an OverflowError traceback, a negative ``max_steps`` other than -1 ("not set") silently trained by epochs,
+    and a seed outside numpy's range failed only when the trainer seeded."""
+    counts = {
+        "per_device_train_batch_size": "rows per device in each training batch, e.g. 8",
+        "per_device_eval_batch_size": "rows per device in each evaluation batch, e.g. 8",
+        "gradient_accumulation_steps": "batches per optimizer step, e.g. 1",
+    }
+    for name, meaning in counts.items():
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer.")
+            raise ValueError(f"{name}={value!r} must be a positive integer ({meaning}).")
     if config.max_steps == 0 or config.max_steps < -1:
         raise ValueError(
             f"max_steps={config.max_steps!r} must be a positive number of optimizer steps, or -1 (the default) to "
             "train for num_train_epochs."
         )
-    if config.max_steps == -1 and not config.num_train_epochs > 0:
+    epochs = config.num_train_epochs
+    if not math.isfinite(epochs):  # inf: an OverflowError in the trainer's step count; nan: nothing trained
         raise ValueError(
-            f"num_train_epochs={config.num_train_epochs!r} with max_steps unset would train nothing and save the "
+            f"num_train_epochs={epochs!r} must be a finite number of passes over the data (0 < x < inf), e.g. 3; to "
+            "train for a number of optimizer steps instead, set max_steps."
+        )
+    if config.max_steps == -1 and not epochs > 0:
+        raise ValueError(
+            f"num_train_epochs={epochs!r} with max_steps unset would train nothing and save the "
             "untrained adapter; give a positive number of epochs, or set max_steps."
+        )
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        raise ValueError(
+            f"seed={seed!r} must be a whole number from 0 to 2**32 - 1 (the range numpy's generator takes; the "
+            "default is 42)."
         )
     if not 0 < config.learning_rate < math.inf:  # inf saved NaN weights, nan failed in torch, 0 trained nothing
         raise ValueError(
@@ -421,6 +441,32 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
             loss=loss,
             **kwargs,
         )
+
+    def get_batch_sampler(
+        self,
+        dataset: Any,
+        batch_size: int,
+        drop_last: bool,
+        valid_label_columns: list[str] | None = None,
+        generator: torch.Generator | None = None,
+        seed: int = 0,
+    ) -> Any:
+        # sentence-transformers seeds its batch samplers with args.seed: args.data_seed did nothing in stage 1 while
+        # it ordered stage 2's data. transformers' Trainer seeds its samplers with data_seed when it is set.
+        data_seed = self.args.data_seed
+        if data_seed is not None:
+            seed = data_seed
+            if generator is not None:  # a plain random sampler draws from it without reseeding
+                generator.manual_seed(data_seed)
+        return super().get_batch_sampler(dataset, batch_size, drop_last, valid_label_columns, generator, seed)
+
+    def get_multi_dataset_batch_sampler(
+        self, dataset: Any, batch_samplers: list, generator: torch.Generator | None = None, seed: int | None = 0
+    ) -> Any:
+        # the order of a DatasetDict's datasets, as above
+        if self.args.data_seed is not None:
+            seed = self.args.data_seed
+        return super().get_multi_dataset_batch_sampler(dataset, batch_samplers, generator, seed)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         # Stage again when training starts, not only when the trainer is made: another trainer (stage 2) or a
