@@ -1,7 +1,8 @@
 """QLoRA: UBMoE on bitsandbytes 4-bit (nf4/fp4, double quantization, bf16/fp32 compute) and 8-bit bases, on CPU.
 
 The reference for every numeric check is the *dequantized float model*: the same tiny model with each quantized
-linear replaced by an fp32 ``nn.Linear`` holding exactly the weight bitsandbytes multiplies with. Whatever differs
+linear replaced by an fp32 ``nn.Linear`` holding exactly the weight bitsandbytes multiplies with (in training, for
+8-bit layers: LLM.int8() quantizes the activations too in eval). Whatever differs
 between the two is then the quantized backend's arithmetic (compute dtype, kernels), not quantization error.
 """
 
@@ -329,7 +330,8 @@ def test_bnb_cpu_repacking_is_undone_when_wrapping(saved_dirs, quant, expert):
             module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
                 module.weight.data, module.weight.quant_state
             )
-    model = get_peft_model(model, UBMoEConfig(expert_type=expert)).eval()
+    with pytest.warns(UserWarning, match=r"\d+ 4-bit layers of this base were repacked .* wrap the base"):
+        model = get_peft_model(model, UBMoEConfig(expert_type=expert)).eval()  # the scales' rounding stays: said
     for name, module in reference.named_modules():
         if is_quantized_linear(module):
             ours = model.get_base_model().get_submodule(name.replace(".mlp.", ".mlp.base_layer."))
@@ -495,3 +497,20 @@ def test_an_8bit_copy_expert_is_fp32_beside_an_fp16_bias(tmp_path):
     )
     model = get_peft_model(base, UBMoEConfig(expert_type="copy"))
     assert {p.dtype for n, p in model.named_parameters() if ".ubmoe_copy." in n} == {torch.float32}
+
+
+def test_an_8bit_layer_in_training_multiplies_with_its_dequantized_weight(saved_dirs):
+    """LLM.int8() in training multiplies with w * (scb * (1 / 127)); w * scb / 127 rounded otherwise in a fifth of the
+    weights, so a fresh copy expert was not exactly the FFN it copies."""
+    from ubmoe_peft.tuners.ubmoe.bnb import make_dense_copy, prepare_quantized_base
+
+    model = load_quantized(saved_dirs[128], "int8").train()
+    prepare_quantized_base(model)
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            layer = getattr(mlp, name)
+            inputs = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(2))  # (B, T, in)
+            assert torch.equal(layer(inputs), nn.functional.linear(inputs, dequantized_weight(layer))), name
+        x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))  # (B, T, C)
+        assert torch.equal(make_dense_copy(mlp)(x), mlp(x))

@@ -17,6 +17,7 @@ compute dtype and their output back to the input dtype.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,7 +116,9 @@ def _dequantize_8bit(module: nn.Linear) -> torch.Tensor:
             f"{module.out_features}): it has no SCB scales (not yet quantized?). Load the model with "
             "BitsAndBytesConfig(load_in_8bit=True) and a device_map before wrapping it."
         )
-    return module.weight.data.float() * scb.float().unsqueeze(1) / 127.0  # (out, in), LLM.int8() row-wise absmax
+    # (out, in), LLM.int8()'s row-wise absmax, rounded as its matmul rounds it: w * scb / 127 differed by 1 ulp in a
+    # fifth of the weights, so a fresh copy expert was not exactly the FFN
+    return module.weight.data.float() * (scb.float().unsqueeze(1) * (1.0 / 127.0))
 
 
 def _compute_dtype_8bit(module: nn.Linear) -> torch.dtype:
@@ -198,9 +201,21 @@ def prepare_quantized_base(model: nn.Module) -> None:
 
     All of them, not only the FFN's: stage 1 backpropagates through attention projections to the experts below.
     """
+    repacked = []
     for module in model.modules():
         if is_quantized_linear(module):
+            state = getattr(module.weight, "quant_state", None)
+            if getattr(state, "packing_format_for_cpu", False):
+                repacked.append(module)
             backend_for(module).prepare(module)
+    if repacked:
+        warnings.warn(
+            f"{len(repacked)} 4-bit layers of this base were repacked by bitsandbytes for CPU inference (an eval-mode "
+            "forward whose input needed no gradient ran before wrapping). Their 4-bit codes are restored exactly, but "
+            "bitsandbytes rounded their scales to bf16 in place: outputs differ from a freshly loaded base by about "
+            "0.1-0.5%. For exact outputs, wrap the base (or load the adapter onto it) before any such forward.",
+            stacklevel=3,
+        )
 
 
 # ---- copy experts ---------------------------------------------------------------------------------------------------
