@@ -830,14 +830,19 @@ def test_new_adapter_options_beside_an_adapter_must_be_its_own(files, tmp_path, 
         (lora, ["--no_use_rslora"], r"--no_use_rslora \(the adapter has use_rslora=True\)\. Drop them to continue"),
         (lora, ["--lora_d", "0.05"], r"--lora_dropout 0.05 \(the adapter has lora_dropout=0.2\)"),  # abbreviated
         (copy, ["--r", "8"], r"--r 8 \(no effect: its expert is a full FFN copy \(expert_type='copy'\), which has"),
-        (copy, ["--layers_to_transform", "0"], r"--layers_to_transform 0 \(the adapter has layers_to_transform=None"),
+        (
+            copy,
+            ["--layers_to_transform", "0"],
+            r"--layers_to_transform 0 \(the adapter has layers_to_transform=None \(every",
+        ),
     ]
     for adapter, options, message in refused:
         with pytest.raises(
             ValueError, match=f"--adapter '{re.escape(str(adapter))}' is loaded with its own .*{message}"
         ):
             run([*train, "--adapter", str(adapter), *options])
-    for adapter, options in ((lora, ["--r", "4", "--lora_dropout", "0.2", "--top_k", "1"]), (copy, ["--top_k", "1"])):
+    own = ((lora, ["--r", "4", "--lora_dropout", "0.2", "--top_k", "1"]), (copy, ["--layers_to_transform", "1", "0"]))
+    for adapter, options in own:  # None is every layer: both of the 2
         with pytest.raises(RuntimeError, match="model load reached"):  # the adapter's own values: nothing is dropped
             run([*train, "--adapter", str(adapter), *options])
 
@@ -876,6 +881,8 @@ def test_training_options_are_checked_before_the_model_loads(files, tmp_path, mo
     with pytest.raises(RuntimeError, match="model load reached"):
         run([*stage2, "--seed", "7"])
     assert seeds == [7]  # stage 2 seeds before the model loads, as stage 1 does
+    with pytest.raises(RuntimeError, match="model load reached"):  # max_steps set: transformers ignores the epochs
+        run([*stage1, "--num_train_epochs", "inf", "--max_steps", "2"])
 
 
 def test_blank_lines_of_a_text_file_are_not_texts(files, tmp_path):

@@ -1229,6 +1229,9 @@ def test_deleting_the_active_adapter_runs_the_next_ones_head_copy():
     model.delete_adapter("a")
     assert model.active_adapters == ["b"]
     torch.testing.assert_close(logits_per_mode(model, ids, mask), expected, rtol=0, atol=0)
+    # its copy trains as its experts do, as PEFT's delete path leaves the next adapter (also one loaded frozen)
+    b = model.base_model.model.lm_head.modules_to_save["b"].weight
+    assert b.requires_grad and all(p.requires_grad for n, p in model.named_parameters() if "ubmoe_lora_A.b" in n)
 
 
 def test_a_mixed_adapter_batch_is_refused():

@@ -154,6 +154,11 @@ BAD_WRAPS = {
     ),
     # accepted and saved in the config, and nothing was trained or saved for it
     "modules_to_save matches nothing": (dict(modules_to_save=["lm_heads"]), None, ["'lm_heads'", "matches no module"]),
+    "modules_to_save a task head of another task": (
+        dict(task_type="CAUSAL_LM", modules_to_save=["score"]),
+        None,
+        ["'score'", "matches no module"],
+    ),
     # "not found" blamed target_modules
     "targets kept out by layers_to_transform": (
         dict(target_modules=["layers.0.mlp"], layers_to_transform=[1]),
@@ -275,6 +280,17 @@ def test_numpy_numbers_are_taken_as_python_ones(tmp_path):
     model.save_pretrained(tmp_path)
     assert ubmoe_peft.UBMoEConfig.from_pretrained(tmp_path).layers_to_transform == [0]
     assert ubmoe_peft.UBMoEConfig(layers_to_transform=np.int64(1)).layers_to_transform == [1]
+
+
+def test_an_adapter_saved_with_an_entry_that_matches_nothing_still_loads(tmp_path):
+    """Earlier versions saved such entries (with no tensors for them): refused at load, the adapter was lost."""
+    model = trained(wrap(modules_to_save=["lm_head"]))
+    model.peft_config["default"].modules_to_save = ["lm_head", "lm_heads"]  # as an earlier version saved it
+    model.save_pretrained(tmp_path)
+    ids = torch.arange(8).view(1, 8)
+    with pytest.warns(UserWarning, match=r"entry 'lm_heads' matches no module .* adapter_config\.json"):
+        loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
+    torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
 
 
 def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):

@@ -571,8 +571,10 @@ def _check_options_beside_adapter(adapter: str, given: dict[str, Any]) -> None:
     def same(name: str, value: Any) -> bool:
         ours = getattr(saved, name)
         if name == "layers_to_transform":  # saved as an index, a list, or None for every layer
+            if ours is None:
+                ours = range((saved.base_model_signature or {}).get("num_layers") or 0)
             ours = [ours] if isinstance(ours, int) else ours
-            return ours is not None and sorted(set(ours)) == sorted(set(value))
+            return sorted(set(ours)) == sorted(set(value))
         return ours == value
 
     def shown(name: str, value: Any) -> str:
@@ -586,7 +588,9 @@ def _check_options_beside_adapter(adapter: str, given: dict[str, Any]) -> None:
         if not applies(saved):
             wrong.append(f"{shown(name, value)} (no effect: {why})")
         elif not same(name, value):
-            wrong.append(f"{shown(name, value)} (the adapter has {name}={getattr(saved, name)!r})")
+            has = getattr(saved, name)
+            every = " (every layer)" if has is None else ""
+            wrong.append(f"{shown(name, value)} (the adapter has {name}={has!r}{every})")
     if wrong:
         raise ValueError(
             f"--adapter {adapter!r} is loaded with its own saved settings, which these new-adapter options would not "

@@ -183,25 +183,26 @@ def _read_file(path: Path) -> Any:
 
 
 def _content_cache(path: Path) -> dict[str, str]:
-    """``load_dataset``'s ``cache_dir`` for local data ``path`` (a file, or a folder's files): one keyed by their
-    content. datasets keys its cache of a local file by path and modification time, so a file rewritten with the
-    same time (``cp -p``, ``rsync -t``, ``tar x``) was read from the cache: the old rows, without a word. Unchanged
-    data still reads from its cache (``download_mode="force_redownload"`` would rebuild it on every load, and under
-    torchrun each process would rebuild the folder the others read)."""
+    """``load_dataset``'s ``cache_dir`` for local data ``path`` (a file, or a folder's files), keyed by each file's
+    name, size, modification and change times. datasets keys its cache of a local file by path and modification time
+    alone, so a file rewritten keeping its time (``cp -p``, ``rsync -t``, ``tar x``) was read from the cache: the old
+    rows, without a word; and a local clone of a hub dataset by its folder's name, so another clone of the same name
+    gave its rows. The change time (``st_ctime``) moves on every write and cannot be set back; no file is read here
+    (hashing the contents read a whole multi-GB clone for one configuration of it, on every load). Unchanged data still
+    reads from its cache (``download_mode="force_redownload"`` would rebuild it on every load, and under torchrun each
+    process would rebuild the folder the others read)."""
     import datasets
     import xxhash  # datasets' own fingerprint hash
 
     def hidden(file: Path) -> bool:  # .git of a cloned hub dataset: not data, and often large
         return any(part.startswith(".") for part in file.relative_to(path).parts)
 
-    digest = xxhash.xxh3_128()
+    digest = xxhash.xxh3_128(str(path.resolve()).encode())
     files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file() and not hidden(f))
     for file in files:
+        stat = file.stat()
         name = "" if file == path else str(file.relative_to(path))
-        digest.update(f"{name}\0{file.stat().st_size}\0".encode())
-        with open(file, "rb") as handle:
-            while chunk := handle.read(1 << 24):
-                digest.update(chunk)
+        digest.update(f"{name}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}\0".encode())
     return {"cache_dir": str(Path(datasets.config.HF_DATASETS_CACHE) / "ubmoe-content" / digest.hexdigest())}
 
 

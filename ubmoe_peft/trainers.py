@@ -165,7 +165,8 @@ def check_training_counts(config: Any) -> None:
             "train for num_train_epochs."
         )
     epochs = config.num_train_epochs
-    if not math.isfinite(epochs):  # inf: an OverflowError in the trainer's step count; nan: nothing trained
+    # inf: an OverflowError in the trainer's step count; nan: nothing trained (with max_steps set they are ignored)
+    if config.max_steps == -1 and not math.isfinite(epochs):
         raise ValueError(
             f"num_train_epochs={epochs!r} must be a finite number of passes over the data (0 < x < inf), e.g. 3; to "
             "train for a number of optimizer steps instead, set max_steps."

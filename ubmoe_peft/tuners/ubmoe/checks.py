@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -288,6 +289,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             "the original causal base model."
         )
     signature = base_signature(model)
+    saved = config.base_model_signature is not None  # a loaded adapter's config, not a new one
     if config.base_model_signature is None:
         config.base_model_signature = signature
     else:
@@ -337,7 +339,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"Target module {wrong[0]!r} is the layer's attention, not the FFN: UBMoE wraps the decoder layers' FFNs. "
             f"Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)."
         )
-    _check_modules_to_save(config, model, targets, adapter_name)
+    _check_modules_to_save(config, model, targets, adapter_name, saved)
     _check_adapter_name(model, adapter_name)
     _refuse_expert_blocks(targets)
     for name, module in targets.items():
@@ -378,7 +380,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
 
 
 def _check_modules_to_save(
-    config: UBMoEConfig, model: nn.Module, targets: dict[str, nn.Module], adapter_name: str
+    config: UBMoEConfig, model: nn.Module, targets: dict[str, nn.Module], adapter_name: str, saved: bool = False
 ) -> None:
     """PEFT wraps every module whose name ends with an entry of ``modules_to_save`` (plain ``str.endswith``) in a
     trained copy, after the experts are built, and runs the copy instead. Entries that would reach UBMoE's own modules
@@ -411,9 +413,17 @@ def _check_modules_to_save(
             names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
             names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
     # Entries that match no module, now or once the experts are built, were accepted and saved, and nothing was
-    # trained or saved for them. PEFT adds "classifier" and "score" for a sequence-classification task (one exists).
-    unmatched = [e for e in config.modules_to_save if e not in _TASK_HEADS and not any(n.endswith(e) for n in names)]
-    if unmatched:
+    # trained or saved for them. PEFT adds both "classifier" and "score" for a sequence-classification task.
+    heads = _TASK_HEADS if str(getattr(config.task_type, "value", config.task_type)) == "SEQ_CLS" else ()
+    unmatched = [e for e in config.modules_to_save if e not in heads and not any(n.endswith(e) for n in names)]
+    if unmatched and saved:  # an adapter saved so (by an earlier version) loads as it did: PEFT skips the entry
+        warnings.warn(
+            f"The adapter's modules_to_save entry {unmatched[0]!r} matches no module of this model, so it holds no "
+            "trained copy for it and the entry is skipped. Remove it from the adapter's adapter_config.json to "
+            "silence this.",
+            stacklevel=4,
+        )
+    elif unmatched:
         outside = [n for n in names if n.count(".") < 2]  # the top of the model: its head, embeddings, norm...
         raise ValueError(
             f"UBMoEConfig(modules_to_save={config.modules_to_save!r}): {unmatched[0]!r} matches no module of the "

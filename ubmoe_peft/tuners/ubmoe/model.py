@@ -160,7 +160,7 @@ class UBMoEModel(BaseTuner):
                 module.delete_adapter(adapter_name, new_active_adapters=None)
         forget_parts(model.modules(), state=True)  # the earlier model's state (its last batch's routing) goes too
 
-    def _activate_copies(self, model: nn.Module) -> None:
+    def _activate_copies(self, model: nn.Module, inference_mode: bool | None = None) -> None:
         """Make each modules_to_save wrapper that holds the active adapter's copy run it. PEFT leaves a wrapper's
         active adapter as it was when it adds a copy to it, and when it deletes an adapter the wrapper never held. So
         the trained copy silently did not run (nor train) after `_take_over` (``PeftModel.from_pretrained(base, d)`` on
@@ -173,7 +173,8 @@ class UBMoEModel(BaseTuner):
         for module in model.modules():
             wrapper = isinstance(module, AuxiliaryTrainingWrapper)
             if wrapper and name in module._adapters and module.active_adapters != active:
-                module.set_adapter(name, inference_mode=self.peft_config[name].inference_mode)
+                frozen = self.peft_config[name].inference_mode if inference_mode is None else inference_mode
+                module.set_adapter(name, inference_mode=frozen)
 
     def _prepare_adapter_config(self, peft_config: UBMoEConfig, model_config: dict) -> UBMoEConfig:
         return peft_config  # target_modules are resolved by validate_config, which can see the whole model
@@ -206,7 +207,7 @@ class UBMoEModel(BaseTuner):
     def delete_adapter(self, adapter_name: str) -> None:
         state, active = self._ubmoe_state, list(self.active_adapters)
         super().delete_adapter(adapter_name)
-        self._activate_copies(self.model)
+        self._activate_copies(self.model, inference_mode=False)  # as PEFT's delete path sets the new active one
         for name in (adapter_name, *self.active_adapters):  # the new active one is set: what it was left with goes
             state.left_adapters.pop(name, None)
         if state.trainable is not None:  # inside disable_adapter(): deleted weights go, a new active one's flags hold
