@@ -293,6 +293,21 @@ def test_an_adapter_saved_with_an_entry_that_matches_nothing_still_loads(tmp_pat
     torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
 
 
+def test_a_module_named_like_the_ffn_inside_the_ffn_is_not_a_target():
+    """CPM-Ant's FFN holds a module of its own name (``ffn.ffn``): both matched, and wrapping failed half-way with a
+    bare AttributeError, leaving the base partly wrapped."""
+    model, reference = tiny(), tiny()
+    for layers in (model.model.layers, reference.model.layers):
+        for layer in layers:
+            layer.mlp.mlp = torch.nn.Identity()  # never called: a name, as CPM-Ant's inner ffn is to its outer one
+    wrapped = wrap(model)
+    names = [n for n, m in wrapped.named_modules() if isinstance(m, ubmoe_peft.UBMoELayer)]
+    assert names == [f"base_model.model.model.layers.{i}.mlp" for i in (0, 1)]
+    ids = torch.arange(3, 11).view(1, 8)
+    with ubmoe_peft.use_mode(wrapped, "uni"):
+        torch.testing.assert_close(logits(wrapped, ids), logits(reference, ids), rtol=0, atol=0)
+
+
 def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):
     """PEFT said "Can't find 'adapter_config.json' at ..." for the weights file itself, and asked the Hub for a
     local path that does not exist."""

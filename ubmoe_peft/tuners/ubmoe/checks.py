@@ -38,16 +38,21 @@ def in_decoder(model: nn.Module) -> tuple[str, ...]:
     return tuple(f"{name}." for name, _ in decoder_layers(model))
 
 
+def _names_target(targets: list[str] | str | None, key: str) -> bool:
+    if isinstance(targets, str):  # a regular expression on the whole name, as in PEFT
+        return re.fullmatch(targets, key) is not None
+    return any(key == t or key.endswith(f".{t}") for t in targets or [])  # name endings
+
+
 def matches_target(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | None = None) -> bool:
     if decoder is not None and not key.startswith(decoder):
         return False
     if any(part in _CONTAINERS for part in key.split(".")):  # a UBMoE layer's own modules, keyed by adapter names:
         return False  # an adapter named "mlp" made its ModuleDict entries look like FFNs to every later adapter
-    targets = config.target_modules
-    if isinstance(targets, str):
-        hit = re.fullmatch(targets, key) is not None
-    else:
-        hit = any(key == t or key.endswith(f".{t}") for t in targets or [])
+    hit = _names_target(config.target_modules, key)
+    if hit:  # inside another match: the FFN's own module of that name (CPM-Ant's ffn.ffn), which is not a layer's FFN
+        parts = key.split(".")  # (wrapping both failed half-way with a bare AttributeError)
+        hit = not any(_names_target(config.target_modules, ".".join(parts[:i])) for i in range(1, len(parts)))
     if hit and config.layers_to_transform is not None:
         hit = layer_index(key) in config.layers_to_transform
     return hit
