@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -919,7 +918,7 @@ def run(argv: Sequence[str]) -> Any:
     # look_for_args_file: transformers' parser also reads a `<script>.args` file beside sys.argv[0] (a caller's own
     # script's name), silently adding its options to these
     parsed = parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
-    if "given" in inspect.signature(function).parameters:
+    if function is train_contrastive:  # the one command with new-adapter options to compare beside --adapter
         return function(*parsed, given=_given_options(parser, rest))
     return function(*parsed)
 

@@ -69,6 +69,11 @@ _CUTS_THE_TEXT = ("longest_first", "only_first")  # truncation strategies that c
 _BATCH_OPTIONS = ("padding", "truncation", "max_length", "pad_to_multiple_of", "padding_side", "return_tensors")
 
 
+def _per_text(options: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer options that say how each text is tokenized (not `_BATCH_OPTIONS`)."""
+    return {k: v for k, v in options.items() if k not in _BATCH_OPTIONS}
+
+
 class UBMoEEncoder(InputModule):
     """Tokenizes (optionally inside a ``{text}`` template) and returns token embeddings in ``mode`` (bi)."""
 
@@ -178,7 +183,7 @@ class UBMoEEncoder(InputModule):
         mask = features.get("attention_mask")
         if mask is not None and int(mask.sum(-1).max()) < limit:  # no row reached the limit: none was cut
             return features
-        per_text = {k: v for k, v in options.items() if k not in _BATCH_OPTIONS}
+        per_text = _per_text(options)
         frame_length = len(self.tokenizer(frame, **per_text)["input_ids"])
         if frame_length >= limit:  # truncation kept the frame alone: every text was embedded as the same one
             raise ValueError(
@@ -239,7 +244,7 @@ class UBMoEEncoder(InputModule):
 
     def _prompt_length(self, prompt: str, options: dict[str, Any]) -> int:
         """Tokens of ``prompt`` at the start of an input (a leading special token included, a trailing one not)."""
-        ids = self.tokenizer(prompt, **{k: v for k, v in options.items() if k not in _BATCH_OPTIONS})["input_ids"]
+        ids = self.tokenizer(prompt, **_per_text(options))["input_ids"]
         return len(ids) - (1 if ids and ids[-1] in self.tokenizer.all_special_ids else 0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
