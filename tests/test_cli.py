@@ -989,6 +989,7 @@ def test_demo_options_are_checked_before_the_model_loads(tmp_path):
         (dict(expert_type="foo"), "--expert_type 'foo' is not supported: use one of \\['lora', 'copy'\\]"),
         (dict(router_steps=0), "--router_steps 0 must be a positive integer"),
         (dict(contrastive_lr=-1.0), "--contrastive_lr -1.0 must be positive"),
+        (dict(seed=-1), r"--seed -1 must be a whole number from 0 to 2\*\*32 - 1"),  # numpy's message, after the load
         (dict(device="gpu0"), "--device 'gpu0' is not a device"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -1647,6 +1647,7 @@ def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
         "bloom": lambda: tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, **small),
         "mpt": lambda: tf.MptConfig(d_model=32, n_layers=2, n_heads=4, **small),
         "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, **small),
+        "rwkv": lambda: tf.RwkvConfig(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, **small),
         "qwen2_moe": lambda: tf.Qwen2MoeConfig(  # layer 0 dense, layer 1 an MoE block with a shared expert
             hidden_size=32,
             intermediate_size=64,
@@ -1667,6 +1668,21 @@ def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
             num_attention_heads=4,
             num_key_value_heads=2,
             layer_types=["conv", "full_attention"],
+            **small,
+        ),
+        "llama4_text": lambda: tf.Llama4TextConfig(  # full attention, then chunked attention in an MoE layer
+            hidden_size=32,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            moe_layers=[1],
+            attention_chunk_size=4,
+            layer_types=["full_attention", "chunked_attention"],
+            no_rope_layers=[0, 1],
             **small,
         ),
         "modernbert-decoder": lambda: tf.ModernBertDecoderConfig(
@@ -1692,7 +1708,9 @@ def test_an_architecture_that_ignores_is_causal_fails_in_mode_bi_not_silently(mo
     perturb_adapters(model)
     ids, mask = batch(padding=None)
     ubmoe_peft.set_mode(model, "bi")
-    with pytest.raises(RuntimeError, match=f"first attention layer of this '{model_type}' model a causal mask"):
+    with pytest.raises(
+        RuntimeError, match=f"gave (attention layer 0|an attention layer) of this '{model_type}' model a causal mask"
+    ):
         logits(model, ids, mask)
     for mode in ("uni", "moe"):
         ubmoe_peft.set_mode(model, mode)
@@ -1712,9 +1730,23 @@ def test_the_mode_bi_check_covers_a_hybrid_whose_first_layer_is_not_attention():
     logits(model, ids, mask)
     backbone = model.base_model.model.model
     handle = backbone.register_forward_pre_hook(lambda m, a, k: (a, {**k, "is_causal": None}), with_kwargs=True)
-    with pytest.raises(RuntimeError, match="first attention layer of this 'lfm2' model a causal mask"):
+    with pytest.raises(
+        RuntimeError, match=r"gave attention layer 1 \(full_attention\) of this 'lfm2' model a causal mask"
+    ):
         logits(model, ids, mask)
     handle.remove()
+
+
+def test_the_mode_bi_check_covers_each_layer_type():
+    """Llama 4 gives its chunked-attention layers a mask of their own, which ignores is_causal=False: behind a
+    full-attention first layer (bidirectional, and the only one checked) they ran mode bi causal without a word."""
+    model = get_peft_model(_foreign("llama4_text", "sdpa"), UBMoEConfig(layers_to_transform=[0]))  # 1 is MoE
+    ids, mask = batch(padding=None)
+    ubmoe_peft.set_mode(model, "bi")
+    with pytest.raises(RuntimeError, match=r"gave attention layer 1 \(chunked_attention\) of this 'llama4_text' model"):
+        logits(model, ids, mask)
+    ubmoe_peft.set_mode(model, "moe")
+    assert torch.isfinite(logits(model, ids, mask)).all()
 
 
 def test_a_decoder_whose_get_decoder_is_its_lm_head_is_wrapped():
@@ -1728,12 +1760,29 @@ def test_a_decoder_whose_get_decoder_is_its_lm_head_is_wrapped():
     torch.testing.assert_close(logits(model, ids, mask), expected)  # a fresh adapter in mode moe: the base
 
 
+def test_mode_bi_refuses_an_attention_implementation_that_fails_bidirectional_in_transformers():
+    """ModernBERT-decoder's eager attention adds its mask without checking for None (what is_causal=False gives with
+    no padding): mode bi failed with transformers' bare TypeError."""
+    model = get_peft_model(_foreign("modernbert-decoder", "eager"), UBMoEConfig())
+    ids, mask = batch(padding=None)
+    ubmoe_peft.set_mode(model, "bi")
+    with pytest.raises(ValueError, match=r"attn_implementation='eager' .*\('modernbert-decoder'\).*'sdpa'"):
+        logits(model, ids, mask)
+    ubmoe_peft.set_mode(model, "moe")
+    assert torch.isfinite(logits(model, ids, mask)).all()
+
+
 @pytest.mark.parametrize(
     ("model_type", "message"),
     [
         ("bloom", r"'transformer.h.0.mlp' \(BloomMLP\) needs \['residual'\] besides the hidden states"),
         ("mpt", r"'transformer.blocks.0.ffn' \(MptMLP\) needs \['residual'\]"),
         ("gpt2", r"\(GPT2MLP\) has no nn.Linear inside \(it holds \['Conv1D', .*Conv1D and fused MoE experts"),
+        # its (1, 1, C) token-shift weights were taken for fused experts
+        (
+            "rwkv",
+            r"'rwkv.blocks.0.feed_forward' \(RwkvFeedForward\) holds 'time_mix_key' of shape \(1, 1, 32\).*not supp",
+        ),
         ("opt", r"'opt' keeps its FFN's linears \['fc1', 'fc2'\] directly in each decoder layer .*not supported"),
         # its router and shared expert are linears: the LoRA expert adapted those alone, silently
         (

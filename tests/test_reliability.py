@@ -308,6 +308,64 @@ def test_a_module_named_like_the_ffn_inside_the_ffn_is_not_a_target():
         torch.testing.assert_close(logits(wrapped, ids), logits(reference, ids), rtol=0, atol=0)
 
 
+def test_a_module_named_like_the_ffn_deeper_in_the_layer_is_not_a_target():
+    """AXK2 keeps a gate MLP named ``mlp`` inside each layer's ``input_layernorm``: the name ending matched it too,
+    and it was wrapped as a second FFN of the layer (and its dense copy made layers of MoE blocks look wrappable)."""
+
+    def gated():
+        model = tiny()
+        for layer in model.model.layers:  # never called: only its name matters
+            layer.input_layernorm.mlp = torch.nn.Sequential(torch.nn.Linear(32, 8), torch.nn.Linear(8, 32))
+        return model
+
+    def wrapped_names(model):
+        return [
+            n.removeprefix("base_model.model.model.")
+            for n, m in model.named_modules()
+            if isinstance(m, ubmoe_peft.UBMoELayer)
+        ]
+
+    assert wrapped_names(wrap(gated())) == ["layers.0.mlp", "layers.1.mlp"]
+    both = wrap(gated(), target_modules=r".*layers\.\d+\.(input_layernorm\.)?mlp")  # a regex is taken as it reads
+    assert len(wrapped_names(both)) == 4
+
+
+@pytest.mark.parametrize(
+    ("auto", "task", "head"),
+    [
+        ("AutoModelForSequenceClassification", "SEQ_CLS", "score"),
+        ("AutoModelForTokenClassification", "TOKEN_CLS", "score"),
+        ("AutoModelForQuestionAnswering", "QUESTION_ANS", "qa_outputs"),
+    ],
+)
+def test_task_models_train_save_and_load_their_head(auto, task, head, tmp_path):
+    """PEFT's token-classification and question-answering models add their head to the config once the tuner is
+    built, to the object they hold, and read it back: the tuner's private copy lacked it (a bare TypeError on None)."""
+    import transformers
+
+    def base():
+        torch.manual_seed(0)
+        config = tiny().config
+        config.num_labels = 3
+        return getattr(transformers, auto).from_config(config).eval()
+
+    model = trained(wrap(base(), task_type=task))
+    copy_ = next(m for n, m in model.named_modules() if n.endswith(f"{head}.modules_to_save.default"))
+    assert all(p.requires_grad for p in copy_.parameters())
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.add_(0.5)  # the trained head, which the load must bring back
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(base(), tmp_path).eval()
+    ids = torch.arange(3, 11).view(1, 8)
+    for mode in ("uni", "bi", "moe"):
+        with ubmoe_peft.use_mode(model, mode), ubmoe_peft.use_mode(loaded, mode), torch.no_grad():
+            expected, got = model(input_ids=ids, use_cache=False), loaded(input_ids=ids, use_cache=False)
+            assert expected.keys() == got.keys()
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0)
+
+
 def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):
     """PEFT said "Can't find 'adapter_config.json' at ..." for the weights file itself, and asked the Hub for a
     local path that does not exist."""

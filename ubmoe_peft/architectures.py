@@ -31,6 +31,11 @@ FFN_MODULES: dict[str, str] = {
 
 FALLBACK_FFN_NAMES = ("mlp", "feed_forward", "ffn")
 
+# model_type -> attention implementations whose mode-bi forward fails inside transformers (5.24): ModernBERT-decoder's
+# eager attention adds its mask without checking for None, and is_causal=False with no padding gives None (the base
+# model itself fails so with a bare TypeError).
+NO_BIDIRECTIONAL_IMPLEMENTATION: dict[str, tuple[str, ...]] = {"modernbert-decoder": ("eager",)}
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 

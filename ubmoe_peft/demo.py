@@ -66,6 +66,8 @@ class DemoArgs:
                 raise ValueError(f"--{name} {getattr(self, name)!r} must be a positive integer.")
         if self.attention_r < 0:
             raise ValueError(f"--attention_r {self.attention_r!r}: use 0 (no attention adapter) or a positive rank.")
+        if not 0 <= self.seed < 2**32:  # numpy's range: numpy's own message named no option
+            raise ValueError(f"--seed {self.seed!r} must be a whole number from 0 to 2**32 - 1 (default 0).")
         if self.contrastive_lr is not None and not self.contrastive_lr > 0:
             raise ValueError(f"--contrastive_lr {self.contrastive_lr!r} must be positive, or left out for the default.")
         check_device(self.device)

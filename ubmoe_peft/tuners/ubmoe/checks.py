@@ -30,12 +30,18 @@ from .layer import UBMoELayer, selected_projections
 ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
 
 _CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDicts a UBMoE layer holds
-_TASK_HEADS = ("classifier", "score")  # PEFT's modules_to_save for TaskType.SEQ_CLS
+# PEFT's modules_to_save per task type: the heads its task models add to every adapter's config
+TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
 
 
-def in_decoder(model: nn.Module) -> tuple[str, ...]:
-    """Name prefixes of ``model``'s decoder layers: only FFNs under them are wrapped (not a vision tower's)."""
-    return tuple(f"{name}." for name, _ in decoder_layers(model))
+def task_heads(config: UBMoEConfig) -> tuple[str, ...]:
+    return TASK_HEADS.get(str(getattr(config.task_type, "value", config.task_type)), ())
+
+
+def in_decoder(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``model``'s decoder layers: each one's name prefix, mapped to the names of the modules inside it (relative to
+    the layer). Only FFNs under these prefixes are wrapped (not a vision tower's)."""
+    return {f"{name}.": tuple(n for n, _ in layer.named_modules() if n) for name, layer in decoder_layers(model)}
 
 
 def _names_target(targets: list[str] | str | None, key: str) -> bool:
@@ -44,15 +50,28 @@ def _names_target(targets: list[str] | str | None, key: str) -> bool:
     return any(key == t or key.endswith(f".{t}") for t in targets or [])  # name endings
 
 
-def matches_target(config: UBMoEConfig, key: str, decoder: tuple[str, ...] | None = None) -> bool:
-    if decoder is not None and not key.startswith(decoder):
-        return False
+def matches_target(config: UBMoEConfig, key: str, decoder: dict[str, tuple[str, ...]] | None = None) -> bool:
+    layer = None
+    if decoder is not None:
+        layer = next((prefix for prefix in decoder if key.startswith(prefix)), None)
+        if layer is None:
+            return False
     if any(part in _CONTAINERS for part in key.split(".")):  # a UBMoE layer's own modules, keyed by adapter names:
         return False  # an adapter named "mlp" made its ModuleDict entries look like FFNs to every later adapter
     hit = _names_target(config.target_modules, key)
     if hit:  # inside another match: the FFN's own module of that name (CPM-Ant's ffn.ffn), which is not a layer's FFN
         parts = key.split(".")  # (wrapping both failed half-way with a bare AttributeError)
         hit = not any(_names_target(config.target_modules, ".".join(parts[:i])) for i in range(1, len(parts)))
+    if hit and layer is not None and not isinstance(config.target_modules, str):
+        # Name endings match at any depth: a layer's FFN is its shallowest match, and a deeper module of that name
+        # elsewhere in the layer is some other block's (AXK2's gate MLP `input_layernorm.mlp` beside the layer's
+        # `mlp`: both were wrapped). A regular expression says exactly which modules it means, so it is taken as is.
+        depth = key.count(".", len(layer))
+        hit = not any(
+            name.count(".") < depth and _names_target(config.target_modules, layer + name)
+            for name in decoder[layer]
+            if not any(part in _CONTAINERS for part in name.split("."))
+        )
     if hit and config.layers_to_transform is not None:
         hit = layer_index(key) in config.layers_to_transform
     return hit
@@ -235,9 +254,16 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
     fused = {}
     for name, module in targets.items():
         module = module.base_layer if isinstance(module, UBMoELayer) else module
-        weight = next(((key, p.dim()) for key, p in module.named_parameters() if p.dim() >= 3), None)
+        weight = next(((key, p.dim(), tuple(p.shape)) for key, p in module.named_parameters() if p.dim() >= 3), None)
+        if weight is not None and weight[2][0] == 1:  # (1, 1, C): not experts but a per-channel mix, RWKV's token shift
+            raise ValueError(
+                f"Target module {name!r} ({type(module).__name__}) holds {weight[0]!r} of shape {weight[2]}, a "
+                "per-channel weight that no FFN made of nn.Linear projections has (RWKV's feed-forward mixes each "
+                "token with the previous one through such weights). UBMoE wraps FFNs that compute each token from its "
+                "own hidden state, so this architecture is not supported."
+            )
         if weight is not None:
-            fused[name] = weight
+            fused[name] = weight[:2]
     if not fused:
         return
     dense = sorted({layer_index(name) for name in targets if name not in fused} - {None})
@@ -418,8 +444,8 @@ def _check_modules_to_save(
             names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
             names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
     # Entries that match no module, now or once the experts are built, were accepted and saved, and nothing was
-    # trained or saved for them. PEFT adds both "classifier" and "score" for a sequence-classification task.
-    heads = _TASK_HEADS if str(getattr(config.task_type, "value", config.task_type)) == "SEQ_CLS" else ()
+    # trained or saved for them. PEFT adds both "classifier" and "score" for a (sequence or token) classification task.
+    heads = task_heads(config)
     unmatched = [e for e in config.modules_to_save if e not in heads and not any(n.endswith(e) for n in names)]
     if unmatched and saved:  # an adapter saved so (by an earlier version) loads as it did: PEFT skips the entry
         warnings.warn(

@@ -18,6 +18,7 @@ from transformers import PreTrainedConfig
 
 from ...architectures import (
     FFN_MODULES,
+    NO_BIDIRECTIONAL_IMPLEMENTATION,
     attention_module,
     decoder_layers,
     layer_index,
@@ -34,6 +35,7 @@ from .checks import (
     matches_target,
     refuse_other_tuners,
     refuse_sentence_transformers_module,
+    task_heads,
     validate_config,
     widen_quantized_copies,
 )
@@ -115,7 +117,12 @@ class UBMoEModel(BaseTuner):
     def inject_adapter(self, model: nn.Module, adapter_name: str, **kwargs: Any) -> None:
         # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
         # object the caller reuses for another model (or another adapter).
-        self.peft_config[adapter_name] = copy.deepcopy(self.peft_config[adapter_name])
+        self.peft_config[adapter_name] = config = copy.deepcopy(self.peft_config[adapter_name])
+        # PEFT's token-classification and question-answering models add their heads to the config object they hold
+        # once the tuner is built, not to this copy, and then read them from it (a bare TypeError on None): so now.
+        missing = [head for head in task_heads(config) if head not in (config.modules_to_save or [])]
+        if missing:
+            config.modules_to_save = [*(config.modules_to_save or []), *missing]
         validate_config(model, self.peft_config[adapter_name], adapter_name)  # every check before any change
         self._take_over(model, adapter_name)
         self._ubmoe_decoder = in_decoder(model)  # for `_check_target_module_exists`, once, not per module name
@@ -349,11 +356,18 @@ class UBMoEModel(BaseTuner):
         layers = decoder_layers(self.model)
         self._decoder_layers = [layer for _, layer in layers]  # whose checkpoint function `_before_backbone` wraps
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
-        # The first layer that has one: a hybrid's first layer may be a convolution or state-space block (LFM2, Bamba)
-        attention = next((a for _, layer in layers if (a := attention_module(layer)) is not None), None)
-        if attention is not None:
-            check = _TunerHook(self._check_bidirectional)
-            self._ubmoe_hooks.append(attention.register_forward_pre_hook(check, with_kwargs=True))
+        # The first layer of each layer type that has one: a hybrid's first layer may be a convolution or state-space
+        # block (LFM2, Bamba), and each type gets its own mask (Llama 4's chunked layers stayed causal in mode bi
+        # behind a full-attention first layer).
+        types = getattr(text_config(self.model), "layer_types", None)
+        types = types if isinstance(types, (list, tuple)) and len(types) == len(layers) else [None] * len(layers)
+        checked = set()
+        for (_, layer), kind in zip(layers, types, strict=True):
+            attention = attention_module(layer)
+            if attention is not None and kind not in checked:
+                checked.add(kind)
+                check = _TunerHook(self._check_bidirectional)
+                self._ubmoe_hooks.append(attention.register_forward_pre_hook(check, with_kwargs=True))
 
     def _remove_hooks(self, every_tuner: bool = False) -> None:
         """Remove this tuner's forward hooks, also from the trained copies of hooked modules (modules_to_save); with
@@ -432,10 +446,14 @@ class UBMoEModel(BaseTuner):
         if state.spec.causal or not state.adapters_enabled:
             return None
         implementation = self._attn_implementation()
-        if implementation not in BIDIRECTIONAL_ATTENTION:
+        model_type = getattr(text_config(self.model), "model_type", None)
+        broken = NO_BIDIRECTIONAL_IMPLEMENTATION.get(model_type, ())
+        if implementation not in BIDIRECTIONAL_ATTENTION or implementation in broken:
+            supported = tuple(a for a in BIDIRECTIONAL_ATTENTION if a not in broken)
             raise ValueError(
                 f"Mode 'bi' needs bidirectional attention, which attn_implementation={implementation!r} does not "
-                f"support here. Load the model with attn_implementation='sdpa' (or one of {BIDIRECTIONAL_ATTENTION})."
+                f"support here ({model_type!r}). Load the model with attn_implementation='sdpa' (or one of "
+                f"{supported})."
             )
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
             # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
@@ -470,7 +488,7 @@ class UBMoEModel(BaseTuner):
         mask = kwargs.get("attention_mask")
         if mask is None:
             if kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False:
-                raise _causal_error(self.model, self._attn_implementation())
+                raise _causal_error(self.model, self._attn_implementation(), module)
             return
         if mask.dim() != 4 or mask.shape[-2] < 2:
             return
@@ -486,7 +504,7 @@ class UBMoEModel(BaseTuner):
         rows = torch.arange(real.shape[0], device=real.device)  # (B,)
         sees = allowed[rows, 0, first, second]  # (B,)
         if bool((after_first.any(dim=1) & ~sees).any()):
-            raise _causal_error(self.model, self._attn_implementation())
+            raise _causal_error(self.model, self._attn_implementation(), module)
 
     # ---- forward, generation, unload ----------------------------------------------------------------------------
     @contextmanager
@@ -653,14 +671,22 @@ def _cached_length(cache: Any) -> int | None:
         return None
 
 
-def _causal_error(model: nn.Module, implementation: str | None) -> RuntimeError:
+def _causal_error(model: nn.Module, implementation: str | None, attention: nn.Module) -> RuntimeError:
     import transformers
 
-    model_type = getattr(text_config(model), "model_type", None)
+    config = text_config(model)
+    index = getattr(attention, "layer_idx", None)  # transformers' attention modules know their layer
+    types = getattr(config, "layer_types", None)
+    kind = (
+        f" ({types[index]})"
+        if isinstance(index, int) and isinstance(types, (list, tuple)) and index < len(types)
+        else ""
+    )
+    where = f"attention layer {index}{kind}" if isinstance(index, int) else "an attention layer"
     return RuntimeError(
         f"Mode 'bi' asked for bidirectional attention, but transformers {transformers.__version__} with "
-        f"attn_implementation={implementation!r} gave the first attention layer of this {model_type!r} model a "
-        "causal mask. Mode bi passes is_causal=False to the decoder, which transformers' masking reads for Llama, "
+        f"attn_implementation={implementation!r} gave {where} of this {getattr(config, 'model_type', None)!r} model "
+        "a causal mask. Mode bi passes is_causal=False to the decoder, which transformers' masking reads for Llama, "
         "Mistral, Qwen, Gemma and most current decoders; this architecture (or this transformers release) ignores it. "
         "Use a supported architecture (docs/usage.md) or the transformers range that ubmoe-peft declares; modes uni "
         "and moe are not affected."
