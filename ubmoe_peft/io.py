@@ -654,8 +654,9 @@ def _check_same_settings(existing: Any, folder: str, adapter_name: str) -> None:
         raise AdapterMismatchError(
             f"{config_path} was saved with other settings than the model's adapter {adapter_name!r} it is loaded into "
             f"({shown}); its weights would run under the model's settings. Nothing was loaded. Load it under a new "
-            f"name (load_adapter(folder, adapter_name='other')), or model.delete_adapter({adapter_name!r}) first; "
-            "PeftModel.from_pretrained takes the saved settings when given no config=."
+            f"name (load_adapter(folder, adapter_name=<a name not yet used>)), or "
+            f"model.delete_adapter({adapter_name!r}) first; PeftModel.from_pretrained takes the saved settings when "
+            "given no config=."
         )
 
 

@@ -454,6 +454,11 @@ class UBMoEModel(BaseTuner):
                 f"Mode 'bi' needs bidirectional attention, which attn_implementation={implementation!r} does not "
                 f"support here ({model_type!r}). Load the model with attn_implementation='sdpa' (or one of "
                 f"{supported})."
+                + (  # attention_dependence switches to eager attention, the only one that gives attention weights
+                    " attention_dependence needs eager attention, so it cannot measure this model in mode bi."
+                    if implementation in broken
+                    else ""
+                )
             )
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
             # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
