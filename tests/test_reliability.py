@@ -282,15 +282,35 @@ def test_numpy_numbers_are_taken_as_python_ones(tmp_path):
     assert ubmoe_peft.UBMoEConfig(layers_to_transform=np.int64(1)).layers_to_transform == [1]
 
 
-def test_an_adapter_saved_with_an_entry_that_matches_nothing_still_loads(tmp_path):
-    """Earlier versions saved such entries (with no tensors for them): refused at load, the adapter was lost."""
+@pytest.mark.parametrize("signature", [True, False])
+def test_an_adapter_saved_with_an_entry_that_matches_nothing_still_loads(tmp_path, signature):
+    """Earlier versions saved such entries (with no tensors for them): refused at load, the adapter was lost. The
+    first version saved no base_model_signature, by which the checks told a saved config from a new one."""
     model = trained(wrap(modules_to_save=["lm_head"]))
     model.peft_config["default"].modules_to_save = ["lm_head", "lm_heads"]  # as an earlier version saved it
+    if not signature:
+        model.peft_config["default"].base_model_signature = None
     model.save_pretrained(tmp_path)
     ids = torch.arange(8).view(1, 8)
     with pytest.warns(UserWarning, match=r"entry 'lm_heads' matches no module .* adapter_config\.json"):
         loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
     torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("signature", [True, False])
+def test_a_copy_expert_saved_with_ffn_projections_still_loads(tmp_path, signature):
+    """A new copy expert given ffn_projections is refused (they were ignored); one saved so, also by the first
+    version (no base_model_signature), is what it is and loads."""
+    model = trained(wrap(expert_type="copy"))
+    model.peft_config["default"].ffn_projections = ["up_proj"]  # as an earlier version saved it
+    if not signature:
+        model.peft_config["default"].base_model_signature = None
+    model.save_pretrained(tmp_path)
+    ids = torch.arange(8).view(1, 8)
+    loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
+    torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"ffn_projections=\['up_proj'\]\) chooses the projections of a LoRA"):
+        ubmoe_peft.UBMoEConfig(expert_type="copy", ffn_projections=["up_proj"])  # a new one still is refused
 
 
 def test_a_module_named_like_the_ffn_inside_the_ffn_is_not_a_target():

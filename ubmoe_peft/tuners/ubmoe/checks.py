@@ -320,7 +320,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             "the original causal base model."
         )
     signature = base_signature(model)
-    saved = config.base_model_signature is not None  # a loaded adapter's config, not a new one
+    saved = config.is_saved  # a loaded adapter's config, not a new one
     if config.base_model_signature is None:
         config.base_model_signature = signature
     else:

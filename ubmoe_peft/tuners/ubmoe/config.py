@@ -6,6 +6,7 @@ import json
 import numbers
 import os
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ EXPERT_TYPES = ("lora", "copy")
 ROUTER_GRADIENTS = ("compare", "scale")
 ROUTER_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT32_MAX = 3.4028234663852886e38
+_LOADING: ContextVar[bool] = ContextVar("ubmoe_config_loading", default=False)  # inside from_pretrained
 
 
 def _plain_number(value: Any) -> Any:
@@ -172,7 +174,7 @@ class UBMoEConfig(PeftConfig):
                 )
         self._check_types()
         # Ignored, it trained the whole FFN. Only a new adapter's (one saved so still loads: its copy is what it is)
-        if self.expert_type == "copy" and self.ffn_projections is not None and self.base_model_signature is None:
+        if self.expert_type == "copy" and self.ffn_projections is not None and not self.is_saved:
             raise ValueError(
                 f"UBMoEConfig(ffn_projections={self.ffn_projections!r}) chooses the projections of a LoRA expert, but "
                 "expert_type='copy' trains a copy of the whole FFN. Leave ffn_projections None, or use "
@@ -240,8 +242,11 @@ class UBMoEConfig(PeftConfig):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any):
         """Load adapter_config.json; any invalid content raises `AdapterFileError` naming the file."""
+        token = _LOADING.set(True)
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+            config = super().from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+            config._from_file = True  # not a dataclass field: never saved
+            return config
         except AdapterFileError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -250,6 +255,13 @@ class UBMoEConfig(PeftConfig):
                 f"{where} is not a valid UBMoE adapter config: {exc} Fix or regenerate the file with "
                 "model.save_pretrained(folder)."
             ) from exc
+        finally:
+            _LOADING.reset(token)
+
+    @property
+    def is_saved(self) -> bool:
+        """Read from an adapter_config.json (also one written before base_model_signature existed), not new."""
+        return self.base_model_signature is not None or getattr(self, "_from_file", False) or _LOADING.get()
 
     @property
     def scaling(self) -> float:
