@@ -95,6 +95,26 @@ def test_an_optional_bool_option_is_a_bare_flag(monkeypatch):
         assert next(p for p in parsed if isinstance(p, RouterConfig)).bf16 is bf16, flags
 
 
+def test_what_argparse_refuses_is_one_line_and_help_shows_no_internals(capsys):
+    """argparse printed the whole usage (143 lines for train-contrastive) before its error; a required option's help
+    said "(default: None)"; the commands' summary showed a note about an internal argument."""
+    with pytest.raises(SystemExit) as exit_:
+        run(["train-contrastive", "--expert_type", "lorax"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("ubmoe train-contrastive: error: argument --expert_type/--expert-type: invalid choice")
+    assert err.rstrip().endswith("(`ubmoe train-contrastive --help` lists the options)")
+    with pytest.raises(SystemExit):
+        run(["export", "--help"])
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert (
+        "New folder for the exported model and tokenizer." in help_
+        and "(default: None)" not in help_.split("New folder for the exported model and tokenizer.")[1][:20]
+    )
+    run([])
+    assert "given" not in capsys.readouterr().out
+
+
 def test_unknown_command_names_it_and_the_commands(capsys):
     with pytest.raises(ValueError, match="(?s)unknown command 'trian-router'.*train-router"):
         run(["trian-router"])

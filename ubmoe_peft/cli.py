@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -720,8 +720,9 @@ SIMCSE_DROPOUT = 0.1  # SimCSE's dropout rate (Gao, Yao and Chen, 2021), here on
 def train_contrastive(
     model_args: ModelArgs, data: TrainDataArgs, adapter: Any, config: Any, given: Collection[str] | None = None
 ) -> str:
-    """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir. ``given``: the options
-    given on the command line (None: those that differ from their defaults)."""
+    """Stage 1: trains the bidirectional experts and saves the adapter to --output_dir."""
+    # (`given`: the options given on the command line; None: those that differ from their defaults. This docstring is
+    # the command's --help text.)
     from .data import contrastive_pairs, load_rows
     from .trainers import ContrastiveTrainer, _check_pairs
 
@@ -915,6 +916,13 @@ def run(argv: Sequence[str]) -> Any:
     for action in parser._actions:  # HfArgumentParser makes a `bool | None = None` option (RouterConfig's --bf16)
         if action.type is string_to_bool and action.nargs is None:  # need a value; bare, it means true as for bools
             action.nargs, action.const = "?", True
+        if action.required:  # its help said "(default: None)"; it has none, and parsing needs none
+            action.default = argparse.SUPPRESS
+
+    def error(message: str) -> NoReturn:  # one line, as every other bad input (argparse printed the whole usage first)
+        parser.exit(2, f"{parser.prog}: error: {message} (`{parser.prog} --help` lists the options)\n")
+
+    parser.error = error
     # look_for_args_file: transformers' parser also reads a `<script>.args` file beside sys.argv[0] (a caller's own
     # script's name), silently adding its options to these
     parsed = parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)
