@@ -386,6 +386,51 @@ def test_task_models_train_save_and_load_their_head(auto, task, head, tmp_path):
                 torch.testing.assert_close(got[key], value, rtol=0, atol=0)
 
 
+def test_the_tuners_set_adapter_refuses_a_name_that_is_no_adapter():
+    """Every layer switched to the misspelt adapter it lacks: the model ran the base model while active_adapter and
+    get_mode still named the trained one, and set_stage then trained routers that never ran."""
+    model = trained(wrap())
+    ids = torch.arange(3, 11).view(1, 8)
+    before, expected = snapshot(model), logits(model, ids)
+    for name in ("defualt", ["defualt"], None, 3):
+        with pytest.raises(ValueError, match=r"set_adapter\(.*(is not an adapter of this model|pass the name).*"):
+            model.base_model.set_adapter(name)
+    assert same_state(model, before) and model.active_adapters == ["default"]
+    torch.testing.assert_close(logits(model, ids), expected, rtol=0, atol=0)
+
+
+def test_the_tuner_class_refuses_another_methods_config():
+    base = tiny()
+    before = snapshot(base)
+    with pytest.raises(ValueError, match=r"UBMoEModel got a LoraConfig for adapter 'default'; it takes a UBMoEConfig"):
+        ubmoe_peft.UBMoEModel(base, peft.LoraConfig(), "default")  # a bare AttributeError
+    assert same_state(base, before)
+
+
+def test_modes_bi_and_moe_refuse_a_model_whose_every_adapter_was_deleted(tokenizer):
+    """The SentenceTransformer went on embedding with the base FFNs under bidirectional attention (an untrained
+    model), and set_stage called the deleted adapter "not a UBMoE adapter of this model"."""
+    from conftest import tiny_model
+
+    model = trained(wrap(tiny_model("llama")))  # the tokenizer's vocabulary
+    st = ubmoe_peft.to_sentence_transformer(model, tokenizer)
+    model.delete_adapter("default")
+    with pytest.raises(ValueError, match=r"Mode 'bi' needs a UBMoE adapter, and this model has none left"):
+        st.encode(["a b c"])
+    inner = model.base_model.model
+    for mode in ("bi", "moe"):
+        ubmoe_peft.set_mode(model, mode)
+        with pytest.raises(ValueError, match=rf"Mode '{mode}' needs a UBMoE adapter.*add_adapter"):
+            logits(inner, torch.arange(3, 11).view(1, 8))
+    for stage in ("contrastive", "router"):
+        with pytest.raises(ValueError, match=r"has none left \(delete_adapter removed the last one\)"):
+            ubmoe_peft.set_stage(model, stage)
+    ubmoe_peft.set_mode(model, "uni")  # the base model
+    torch.testing.assert_close(
+        logits(inner, torch.arange(3, 11).view(1, 8)), logits(tiny_model("llama"), torch.arange(3, 11).view(1, 8))
+    )
+
+
 def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):
     """PEFT said "Can't find 'adapter_config.json' at ..." for the weights file itself, and asked the Hub for a
     local path that does not exist."""

@@ -514,6 +514,14 @@ def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):
     with pytest.raises(TypeError, match="RouterTrainer takes the PEFT model"):
         RouterTrainer(st, args=RouterConfig(output_dir=str(tmp_path)), processing_class=tokenizer)
     ContrastiveTrainer(st[0].model, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)), train_dataset=_pairs())
+    # The modules inside the PeftModel trained, then their save wrote the whole base model (or failed, or wrote a
+    # folder no loader reads), after the training time was spent
+    wrapped = st[0].model
+    for inner in (wrapped.base_model, wrapped.base_model.model):
+        with pytest.raises(ValueError, match=rf"got {type(inner).__name__}, a module inside the wrapped model"):
+            ContrastiveTrainer(inner, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)))
+        with pytest.raises(ValueError, match="Pass the PeftModel that peft.get_peft_model"):
+            RouterTrainer(inner, args=RouterConfig(output_dir=str(tmp_path)), processing_class=tokenizer)
 
 
 def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp_path):

@@ -11,7 +11,7 @@ from torch import nn
 
 from .architectures import backbone
 from .tuners.ubmoe.layer import UBMoELayer
-from .tuners.ubmoe.state import MODES, ModeState, RoutingTally, superseded_error
+from .tuners.ubmoe.state import MODES, ModeState, RoutingTally, no_adapter_error, superseded_error
 
 STAGES = {"contrastive": "bi", "router": "moe"}
 
@@ -94,6 +94,8 @@ def set_stage(model: nn.Module, stage: str) -> None:
     mode_state(model)  # refuses a model without UBMoE layers, or a superseded one, before anything is frozen
     adapter = _active_adapter(model)
     layers = ubmoe_layers(model)
+    if not any(layer.ubmoe_router for layer in layers):  # it named the deleted adapter as "not a UBMoE adapter"
+        raise no_adapter_error(STAGES[stage])
     if not any(adapter in layer.ubmoe_router for layer in layers):
         raise ValueError(f"Adapter {adapter!r} is not a UBMoE adapter of this model.")
     for param in model.parameters():

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 
 from .architectures import attention_module, decoder_layers
@@ -126,6 +127,12 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
         raise ValueError(
             f"{trainer} got {type(model).__name__}, which has no UBMoE layers: pass the wrapped model, "
             "peft.get_peft_model(base, UBMoEConfig()) or PeftModel.from_pretrained(base, adapter_dir)."
+        )
+    if not isinstance(model, PeftModel):  # the inner model trained, then its save wrote the whole base (or failed)
+        raise ValueError(
+            f"{trainer} got {type(model).__name__}, a module inside the wrapped model (model.base_model or "
+            "model.base_model.model): it trains, but saving it writes the whole base model instead of the adapter. "
+            "Pass the PeftModel that peft.get_peft_model or PeftModel.from_pretrained returned."
         )
 
 

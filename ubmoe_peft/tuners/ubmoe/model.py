@@ -42,7 +42,14 @@ from .checks import (
 from .config import UBMoEConfig
 from .layer import UBMoELayer, merge_unsupported
 from .lora import column_major
-from .state import ModeState, allowed_pairs, forget_parts, recompute_in_forward_mode, superseded_error
+from .state import (
+    ModeState,
+    allowed_pairs,
+    forget_parts,
+    no_adapter_error,
+    recompute_in_forward_mode,
+    superseded_error,
+)
 
 # Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -117,6 +124,11 @@ class UBMoEModel(BaseTuner):
     def inject_adapter(self, model: nn.Module, adapter_name: str, **kwargs: Any) -> None:
         # A private copy: validate_config fills in targets and the base's signature, which must not leak into a config
         # object the caller reuses for another model (or another adapter).
+        if not isinstance(self.peft_config[adapter_name], UBMoEConfig):  # a bare AttributeError deep in the checks
+            raise ValueError(
+                f"UBMoEModel got a {type(self.peft_config[adapter_name]).__name__} for adapter {adapter_name!r}; it "
+                "takes a UBMoEConfig. Wrap with peft.get_peft_model(base, UBMoEConfig())."
+            )
         self.peft_config[adapter_name] = config = copy.deepcopy(self.peft_config[adapter_name])
         # PEFT's token-classification and question-answering models add their heads to the config object they hold
         # once the tuner is built, not to this copy, and then read them from it (a bare TypeError on None): so now.
@@ -234,7 +246,18 @@ class UBMoEModel(BaseTuner):
         )
 
     def set_adapter(self, adapter_name: str | list[str], inference_mode: bool = False) -> None:
+        if not isinstance(adapter_name, (str, list, tuple)):
+            raise ValueError(
+                f"set_adapter({adapter_name!r}): pass the name of one of this model's adapters, "
+                f"{list(self.peft_config)}."
+            )
         names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        unknown = [name for name in names if name not in self.peft_config]
+        if unknown:  # every layer switched to an adapter it lacks, and the model ran the base model without a word
+            raise ValueError(
+                f"set_adapter({adapter_name!r}): {unknown[0]!r} is not an adapter of this model; its adapters are "
+                f"{list(self.peft_config)}."
+            )
         # PEFT's multi-adapter call: adapters on other layers each ran there, a silent mix. None is PEFT's own call
         # once every adapter was deleted; with one still active it ran the base's FFNs under the mode's attention.
         if len(names) > 1 or (not names and self.active_adapters):
@@ -443,6 +466,9 @@ class UBMoEModel(BaseTuner):
             for layer in self.model.modules():
                 if isinstance(layer, UBMoELayer):
                     layer.set_attention_hooks(state.attention_hooked)
+        if state.adapters_enabled and state.mode != "uni" and not self.peft_config:
+            # every adapter deleted: the layers ran the base FFNs, and mode bi's attention bidirectional, silently
+            raise no_adapter_error(state.mode)
         if state.spec.causal or not state.adapters_enabled:
             return None
         implementation = self._attn_implementation()

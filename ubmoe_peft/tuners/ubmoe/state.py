@@ -34,6 +34,16 @@ def allowed_pairs(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+def no_adapter_error(mode: str) -> ValueError:
+    """Raised in modes bi and moe (and by set_stage) once every UBMoE adapter of a model was deleted."""
+    return ValueError(
+        f"Mode {mode!r} needs a UBMoE adapter, and this model has none left (delete_adapter removed the last one): "
+        "its layers would run the base model's FFNs (under bidirectional attention in mode bi). Add one with "
+        "model.add_adapter(name, UBMoEConfig()) or model.load_adapter(folder, adapter_name=name), or use mode 'uni' "
+        "(the base model)."
+    )
+
+
 def superseded_error(reason: str = "wrapped again") -> ValueError:
     """Raised by a model whose layers a later PeftModel on the same base took over (`UBMoEModel._take_over`), or
     that `unload()` / `merge_and_unload(target="bi")` took its layers from (``reason="unloaded"``)."""
