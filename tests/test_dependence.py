@@ -132,3 +132,13 @@ def test_dependence_is_measured_without_dropout_in_a_model_being_trained(tokeniz
         attention_dependence(model, tokenizer, texts, batch_size=0)
     with pytest.raises(ValueError, match="max_length=1 keeps one token per text, .* would read 100% self"):
         attention_dependence(model, tokenizer, texts, max_length=1)
+
+
+def test_a_sentence_transformer_is_measured_as_its_model_and_a_swap_is_named(model, tokenizer):
+    """Given a SentenceTransformer made by to_sentence_transformer (which the mode functions take), or the tokenizer
+    first, it failed with a bare TypeError."""
+    st = ubmoe_peft.to_sentence_transformer(model, tokenizer)
+    expected = attention_dependence(model, tokenizer, TEXTS, mode="bi").average
+    assert attention_dependence(st, tokenizer, TEXTS, mode="bi").average == pytest.approx(expected)
+    with pytest.raises(TypeError, match="model must be a model .* it is a tokenizer: pass the model first"):
+        attention_dependence(tokenizer, model, TEXTS)

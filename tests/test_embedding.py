@@ -287,6 +287,9 @@ def test_a_model_unloaded_in_place_refuses_to_embed_or_run(tokenizer, how):
         ubmoe_peft.get_mode(model)
     with pytest.raises(ValueError, match="Use the model that call returned"):
         model(input_ids=torch.tensor([[5, 6]]))
+    # a new encoder of the spent model names the cause (it said "wrap it first: peft.get_peft_model", refused)
+    with pytest.raises(ValueError, match=r"UBMoE layers were removed by unload\(\) or merge_and_unload"):
+        to_sentence_transformer(model, tokenizer)
     assert returned(input_ids=torch.tensor([[5, 6]])).logits.isfinite().all()  # the returned model runs
 
 
@@ -631,3 +634,47 @@ def test_added_tokens_embed_and_reload_with_the_resized_rows_in_modules_to_save(
     fresh.resize_token_embeddings(len(grown))
     reloaded = load_sentence_transformer(fresh, str(tmp_path))
     torch.testing.assert_close(reloaded.encode(texts, convert_to_tensor=True), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("inner", ["base_model", "base_model.model"])
+def test_an_encoder_of_a_module_inside_the_peft_model_is_refused_before_anything_is_saved(tokenizer, tmp_path, inner):
+    """The tuner (model.base_model) and the transformers model (model.base_model.model) embed as the PeftModel does,
+    but st.save called their own save_pretrained: the whole base model went into ubmoe_adapter/, then the save failed
+    saying that folder held no adapter."""
+    from ubmoe_peft.embedding import sentence_transformer_of
+
+    model = _wrapped()
+    module = model.base_model if inner == "base_model" else model.base_model.model
+    with pytest.raises(ValueError, match=r"is a module inside the wrapped model .* not the PeftModel: .* from the Pe"):
+        to_sentence_transformer(module, tokenizer)
+    st = sentence_transformer_of(module, tokenizer)  # sts_spearman's: it embeds, and never saves
+    texts = [w(5, 6, 7), w(9)]
+    expected = to_sentence_transformer(model, tokenizer).encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="a save of the encoder would write the whole base model"):
+        st.save(str(tmp_path / "st"))
+    # refused before the encoder wrote anything (sentence-transformers writes its own settings file first)
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["config_sentence_transformers.json"]
+    again = to_sentence_transformer(to_sentence_transformer(model, tokenizer), tokenizer)  # a SentenceTransformer:
+    assert again[0].model is model  # its PeftModel, as the mode functions take it
+
+
+def test_loading_an_adapter_folder_or_a_missing_one_as_a_sentence_transformer_is_named(tokenizer, tmp_path):
+    """An adapter folder (model.save_pretrained's, or st.save's own ubmoe_adapter/), None or a missing local path went
+    on to the Hub and failed with "We couldn't connect to 'https://huggingface.co'"."""
+    model = _wrapped()
+    to_sentence_transformer(model, tokenizer).save(str(tmp_path / "st"))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    base = tiny_model()
+    with pytest.raises(ValueError, match=r"holds an adapter \(adapter_config.json\), .* st.save wrote\. .*PeftModel"):
+        load_sentence_transformer(base, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=rf"holds an adapter .* pass '{tmp_path / 'st'}', the folder st.save"):
+        load_sentence_transformer(base, tmp_path / "st" / "ubmoe_adapter")
+    with pytest.raises(TypeError, match="folder must be the folder st.save\(folder\) wrote .* got NoneType None"):
+        load_sentence_transformer(base, None)
+    with pytest.raises(FileNotFoundError, match="missing' does not exist; pass the folder st.save"):
+        load_sentence_transformer(base, tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="holds no modules.json"):
+        load_sentence_transformer(base, tmp_path / "st" / "1_Pooling")
+    assert not ubmoe_layers(base)  # left as it was
+    assert load_sentence_transformer(base, tmp_path / "st").encode([w(5, 6)]).shape[0] == 1

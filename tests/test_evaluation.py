@@ -364,3 +364,60 @@ def test_evaluations_of_a_model_offloaded_by_accelerate_are_those_in_memory(mode
     assert got[0]["tokens"] == expected[0]["tokens"] and got[0]["loss"] == pytest.approx(expected[0]["loss"])
     assert got[1] == expected[1]
     assert got[2] == pytest.approx(expected[2])
+
+
+def test_a_sentence_transformer_evaluates_as_its_model(model, tokenizer):
+    """sts_spearman and the mode functions took a SentenceTransformer made by to_sentence_transformer; lm_loss and
+    multiple_choice_accuracy failed on it with a bare TypeError from the pooling module's forward."""
+    st = ubmoe_peft.to_sentence_transformer(model, tokenizer)
+    texts = [w(5, 6, 7, 8), w(9, 10, 11)]
+    rows = [{"question": w(5, 6), "choices": [w(7), w(8)], "label": 0}]
+    s1, s2, gold = [w(5, 6), w(7, 8), w(9, 10)], [w(5, 6), w(8, 7), w(11, 12)], [3.0, 2.0, 1.0]
+    assert lm_loss(st, tokenizer, texts, mode="uni") == lm_loss(model, tokenizer, texts, mode="uni")
+    assert multiple_choice_accuracy(st, tokenizer, rows) == multiple_choice_accuracy(model, tokenizer, rows)
+    assert sts_spearman(st, tokenizer, s1, s2, gold) == sts_spearman(model, tokenizer, s1, s2, gold)
+    # mode None is the model's current mode, as in the other evaluations (it was refused as an unknown mode)
+    with ubmoe_peft.use_mode(model, "uni"):
+        assert sts_spearman(model, tokenizer, s1, s2, gold, mode=None) == sts_spearman(
+            model, tokenizer, s1, s2, gold, mode="uni"
+        )
+    # a module inside the PeftModel is evaluated as the PeftModel, as by lm_loss
+    assert sts_spearman(model.base_model, tokenizer, s1, s2, gold) == sts_spearman(model, tokenizer, s1, s2, gold)
+
+
+def test_a_missing_or_swapped_model_or_tokenizer_is_named(model, tokenizer):
+    """A None tokenizer failed as "'NoneType' object is not callable"; model and tokenizer swapped failed in the
+    embedding layer ("argument 'indices' must be Tensor, not str")."""
+    texts, rows = [w(5, 6, 7)], [{"question": w(5, 6), "choices": [w(7), w(8)], "label": 0}]
+    s1, s2, gold = [w(5, 6), w(7, 8)], [w(5, 6), w(8, 7)], [1.0, 2.0]
+    for call in (
+        lambda m, t: lm_loss(m, t, texts),
+        lambda m, t: multiple_choice_accuracy(m, t, rows),
+        lambda m, t: sts_spearman(m, t, s1, s2, gold),
+    ):
+        with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer, got NoneType"):
+            call(model, None)
+        with pytest.raises(TypeError, match="model must be a model .* it is a tokenizer: pass the model first"):
+            call(tokenizer, model)
+
+
+def test_malformed_rows_and_scores_are_named(model, tokenizer):
+    """A row that is not a dict failed as "'NoneType' object is not iterable" or "unhashable type: 'list'"; scores
+    that are None or a generator as "has no len()", a text as "as many ... as scores (3)" for 3 of each."""
+    for row in (None, [w(5), [w(7), w(8)], 0]):
+        with pytest.raises(TypeError, match=r"Row 0 is \w+ .*; a multiple-choice row is a dict with the keys"):
+            multiple_choice_accuracy(model, tokenizer, [row])
+    s1, s2 = [w(5, 6), w(7, 8), w(9, 10)], [w(5, 6), w(8, 7), w(11, 12)]
+    for scores, fix in [(None, "give the list of numbers"), ("1.0", "wrap a single"), ((x for x in [1.0]), "list")]:
+        with pytest.raises(TypeError, match=f"scores must be a list of numbers, got {type(scores).__name__} .*{fix}"):
+            sts_spearman(model, tokenizer, s1, s2, scores)
+
+
+def test_a_text_file_of_blank_lines_is_named(tmp_path):
+    """It was refused for a --split slice nobody gave ("'train' of a single data file has 0 rows")."""
+    from ubmoe_peft.data import load_rows
+
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n   \n\t\n")
+    with pytest.raises(ValueError, match=r"Data file '.*blank.txt' holds only blank lines"):
+        load_rows(str(blank), "texts")

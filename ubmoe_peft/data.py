@@ -179,6 +179,8 @@ def _read_file(path: Path) -> Any:
         ) from err
     if loader == "text":  # one text per line: blank lines separate texts, they are not texts
         rows = rows.filter(lambda row: bool(row["text"].strip()))
+        if len(rows) == 0:  # else refused later for a --split slice nobody gave
+            raise ValueError(f"Data file {str(path)!r} holds only blank lines. Pass a file that holds texts.")
     return rows
 
 

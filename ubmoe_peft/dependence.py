@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from .architectures import text_config
-from .evaluation import _evaluating, check_collection, check_sizes, check_tokenizer, input_device, with_pad_token
+from .evaluation import (
+    _evaluating,
+    check_collection,
+    check_sizes,
+    check_tokenizer,
+    input_device,
+    model_to_evaluate,
+    with_pad_token,
+)
 from .modes import forward_in_mode
 
 KINDS = ("preceding", "self", "subsequent")
@@ -63,7 +71,10 @@ def attention_dependence(
     batch_size: int = 8,
     max_length: int = 256,
 ) -> DependenceResult:
-    """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers."""
+    """Attention dependence of ``texts`` in ``model``'s current mode (or ``mode``), averaged over texts and layers.
+    ``model`` may be a SentenceTransformer made by `to_sentence_transformer` (its model is measured)."""
+    model = model_to_evaluate(model)
+    check_tokenizer(tokenizer)
     check_collection(texts, "texts")  # a generator failed on len() with a bare TypeError
     texts = list(texts)  # a numpy array or pandas Series has no truth value, and a Series indexes by label
     if not texts:
@@ -74,7 +85,6 @@ def attention_dependence(
             f"texts[{blank[0]}] is {texts[blank[0]]!r} ({len(blank)} such texts): every text must be non-empty "
             "(a blank line of a text file is one)."
         )
-    check_tokenizer(tokenizer)
     tokenizer = with_pad_token(tokenizer)
     check_sizes(batch_size, max_length)
     if max_length < 2:  # one token attends only to itself: 100% self whatever the mode

@@ -8,6 +8,7 @@ and switch it to mode bi around every forward, so it is a small `InputModule` of
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,9 +17,10 @@ from typing import Any
 from torch import nn
 
 from .architectures import backbone, text_config
-from .evaluation import check_tokenizer, with_pad_token
-from .io import UBMoEFileError, read_json_config
-from .modes import forward_in_mode, ubmoe_layers
+from .evaluation import check_tokenizer, encoder_model, with_pad_token
+from .io import UBMoEFileError, _looks_local, read_json_config
+from .modes import forward_in_mode, mode_state, ubmoe_layers
+from .tuners.ubmoe.model import UBMoEModel
 from .tuners.ubmoe.state import MODES
 
 try:
@@ -266,6 +268,7 @@ class UBMoEEncoder(InputModule):
         as the new weights under the old prompt)."""
         from .io import atomic_folder, atomic_write_text
 
+        _check_saves_the_adapter(self.model)  # before anything is written
         active = getattr(self.model, "active_adapter", None)
         selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
         with atomic_folder(Path(output_path) / ADAPTER_FOLDER, replace=True) as staged:
@@ -309,6 +312,21 @@ class UBMoEEncoder(InputModule):
             "trainer cannot load such a checkpoint, so with it load_best_model_at_end keeps the last weights and "
             "resume_from_checkpoint fails: train with ubmoe_peft.ContrastiveTrainer, which takes any "
             "sentence-transformers loss (loss=...) and loads its checkpoints."
+        )
+
+
+def _check_saves_the_adapter(model: nn.Module) -> None:
+    """``model`` is the PeftModel. A module inside it (the tuner, ``model.base_model``, or the transformers model,
+    ``model.base_model.model``) embeds alike, but its ``save_pretrained`` is the tuner's or transformers' own: the
+    save wrote the whole base model where the adapter belongs, then failed naming a missing adapter."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        raise ValueError(
+            f"{type(model).__name__} is a module inside the wrapped model (model.base_model or "
+            "model.base_model.model), not the PeftModel: it embeds alike, but a save of the encoder would write the "
+            "whole base model instead of the adapter. Build the encoder from the PeftModel that peft.get_peft_model "
+            "or PeftModel.from_pretrained returned: to_sentence_transformer(model, tokenizer)."
         )
 
 
@@ -372,6 +390,7 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
             f"model_kwargs={kwargs['model_kwargs']!r} would go to the modules that load a model, and this folder holds "
             "none: load the base model with those settings (dtype, attn_implementation...) and pass it as base."
         )
+    _check_saved_folder(folder)
     loader = getattr(SentenceTransformer, "_load_with_module_classes", None)
     if loader is None:  # pragma: no cover - depends on the installed sentence-transformers
         import sentence_transformers
@@ -389,6 +408,40 @@ def load_sentence_transformer(base: nn.Module, folder: str | Path, **kwargs: Any
             f"{[type(m).__name__ for m in st]}), so base was not used. Load it with SentenceTransformer(folder)."
         )
     return st
+
+
+def _check_saved_folder(folder: Any) -> None:
+    """``folder`` names what ``st.save`` wrote: a local folder holding modules.json, or a Hub id. An adapter folder
+    (``model.save_pretrained``'s, or the save's own ``ubmoe_adapter``), None, or a local path that does not exist went
+    on to the Hub and failed there with a network error."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(
+            f"folder must be the folder st.save(folder) wrote (a path), got {type(folder).__name__} {folder!r}."
+        )
+    path = Path(folder)
+    if not path.exists():
+        if _looks_local(os.fspath(folder)):
+            where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            raise FileNotFoundError(f"{str(folder)!r} does not exist; pass the folder st.save(folder) wrote{where}.")
+        return  # a Hub id ('name' or 'owner/name'): sentence-transformers downloads it
+    if not path.is_dir():
+        raise ValueError(f"{str(folder)!r} is a file; pass the folder st.save(folder) wrote.")
+    if (path / "modules.json").is_file():
+        return
+    top = (path / "adapter_config.json").is_file()
+    if top or any(path.glob("*/adapter_config.json")):  # PEFT saves an adapter not named "default" in a subfolder
+        around = (path.parent / "modules.json").is_file()
+        saved = f"{str(path.parent)!r}, the folder st.save wrote around it" if around else "the folder st.save wrote"
+        raise ValueError(
+            f"{str(folder)!r} holds an adapter (adapter_config.json{'' if top else ' in a subfolder'}), not a saved "
+            f"SentenceTransformer (modules.json, with the adapter in {ADAPTER_FOLDER}/): pass {saved}. For an "
+            "adapter saved with model.save_pretrained, build the encoder with "
+            "to_sentence_transformer(PeftModel.from_pretrained(base, folder), tokenizer)."
+        )
+    raise FileNotFoundError(
+        f"{str(folder)!r} holds no modules.json, so st.save did not write it (or the save was cut short): pass the "
+        "folder st.save(folder) wrote."
+    )
 
 
 def _check_max_length(max_length: Any) -> None:
@@ -409,18 +462,39 @@ def to_sentence_transformer(
     ``prompt`` is prepended, or, when it contains ``{text}``, the text is put in its place (the paper's
     ``'The representative word for sentence {text} is:"'``). ``pooling`` is any sentence-transformers pooling mode
     ("mean", "lasttoken", "cls", "max", ...); the pooled span includes the prompt. ``mode`` is for comparisons
-    only: "uni" embeds with the base model (causal attention), as a baseline.
+    only: "uni" embeds with the base model (causal attention), as a baseline. ``model`` is the PeftModel (a module
+    inside it would save the whole base model), or a SentenceTransformer made here (its model is taken).
     """
+    return sentence_transformer_of(model, tokenizer, pooling, prompt, max_length, mode, saves=True)
+
+
+def sentence_transformer_of(
+    model: nn.Module,
+    tokenizer: Any,
+    pooling: str = "mean",
+    prompt: str | None = None,
+    max_length: int = 512,
+    mode: str = "bi",
+    saves: bool = False,
+) -> SentenceTransformer:
+    """`to_sentence_transformer`; without ``saves``, ``model`` may be a module inside the PeftModel (only a save
+    needs the PeftModel), for `sts_spearman`, which evaluates such a module as the other evaluations do."""
     check_tokenizer(tokenizer)
     check_pooling(pooling)
-    if not ubmoe_layers(model):
+    model = encoder_model(model)
+    if not ubmoe_layers(model) and not isinstance(getattr(model, "base_model", None), UBMoEModel):
         raise ValueError(
-            f"{type(model).__name__} has no UBMoE layers; wrap it first: peft.get_peft_model(model, UBMoEConfig()). A "
-            "model exported with merge_and_unload(target='bi') is a plain bidirectional model: embed it with "
-            "sentence-transformers directly, as text rather than chat messages (see 'Embeddings and diagnosis' in "
-            "docs/usage.md: Transformer(folder, modality_config={'text': {'method': 'forward', 'method_output_name': "
-            "'last_hidden_state'}}, module_output_name='token_embeddings'), then Pooling)."
+            f"{type(model).__name__} has no UBMoE layers; wrap a base model first: peft.get_peft_model(base, "
+            "UBMoEConfig()). A model exported with merge_and_unload(target='bi') is a plain bidirectional model: embed "
+            "it with sentence-transformers directly, as text rather than chat messages (see 'Embeddings and "
+            "diagnosis' in docs/usage.md: Transformer(folder, modality_config={'text': {'method': 'forward', "
+            "'method_output_name': 'last_hidden_state'}}, module_output_name='token_embeddings'), then Pooling)."
         )
+    # a UBMoE model that unload() / merge_and_unload(target="bi") emptied in place, or whose layers a later wrap of
+    # its base took over: named as such (it was told to wrap itself again, which is refused for a PeftModel)
+    mode_state(model)
+    if saves:
+        _check_saves_the_adapter(model)
     encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length, mode=mode)
     pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)
     device = next(model.parameters()).device

@@ -16,7 +16,7 @@ import operator
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from typing import Any
@@ -33,20 +33,24 @@ def sts_spearman(
     sentences1: Sequence[str],
     sentences2: Sequence[str],
     scores: Sequence[float],
-    mode: str = "bi",
+    mode: str | None = "bi",
     prompt: str | None = None,
     pooling: str = "mean",
     batch_size: int = 32,
     max_length: int = 128,
 ) -> float:
-    """Spearman correlation x 100 between the cosine similarity of the two sentences' embeddings and the gold score."""
+    """Spearman correlation x 100 between the cosine similarity of the two sentences' embeddings and the gold score,
+    embedded in ``mode`` (None: the model's current mode, as in the other evaluations)."""
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
-    from .embedding import to_sentence_transformer
+    from .embedding import sentence_transformer_of
 
+    model = model_to_evaluate(model)
+    check_tokenizer(tokenizer)
     _check_texts(sentences1, "sentences1")
     _check_texts(sentences2, "sentences2")
-    if isinstance(scores, str) or not (len(sentences1) == len(sentences2) == len(scores)) or len(scores) < 2:
+    check_collection(scores, "scores", kind="numbers")  # None or a generator failed on len(), a text as 1 row
+    if not (len(sentences1) == len(sentences2) == len(scores)) or len(scores) < 2:
         raise ValueError(
             f"STS needs at least 2 rows and as many sentences1 ({len(sentences1)}), sentences2 ({len(sentences2)}) "
             f"as scores ({len(scores)})."
@@ -58,7 +62,10 @@ def sts_spearman(
             "Pass pairs with different gold scores."
         )
     check_sizes(batch_size, max_length)
-    st = to_sentence_transformer(model, tokenizer, pooling=pooling, prompt=prompt, max_length=max_length, mode=mode)
+    if mode is None and ubmoe_layers(model):  # without layers, the encoder names what to do instead
+        mode = get_mode(model)
+    # never saved: a module inside the PeftModel (model.base_model) evaluates as the PeftModel does
+    st = sentence_transformer_of(model, tokenizer, pooling, prompt, max_length, mode)
     evaluator = EmbeddingSimilarityEvaluator(
         list(sentences1),
         list(sentences2),
@@ -127,6 +134,41 @@ def with_pad_token(tokenizer: Any) -> Any:
             padded._special_tokens_map = dict(tokenizer._special_tokens_map)
     padded.pad_token = padded.eos_token
     return padded
+
+
+def encoder_model(model: Any) -> Any:
+    """The UBMoE model of a SentenceTransformer made by `to_sentence_transformer` (``st[0].model``), which the mode
+    functions take too (the likelihood scores and `attention_dependence` failed on one with a bare TypeError from the
+    pooling module's forward); anything else as given."""
+    if "sentence_transformers" not in sys.modules:  # then no SentenceTransformer exists: the extra is optional
+        return model
+    from sentence_transformers import SentenceTransformer
+
+    if not isinstance(model, SentenceTransformer):
+        return model
+    from .embedding import UBMoEEncoder
+
+    encoders = [module for module in model if isinstance(module, UBMoEEncoder)]
+    if not encoders:
+        raise TypeError(
+            f"model is a SentenceTransformer without a UBMoE encoder (modules {[type(m).__name__ for m in model]}); "
+            "pass the model itself, or a SentenceTransformer made by ubmoe_peft.to_sentence_transformer."
+        )
+    return encoders[0].model
+
+
+def model_to_evaluate(model: Any) -> nn.Module:
+    """``model`` as the evaluations run it: a torch module (a plain model too, as a baseline), or `encoder_model` of
+    a SentenceTransformer. A tokenizer in its place is named (model and tokenizer swapped failed deep inside, with
+    the embedding layer's TypeError)."""
+    model = encoder_model(model)
+    if not isinstance(model, nn.Module):
+        swapped = "; it is a tokenizer: pass the model first, then the tokenizer" if hasattr(model, "pad_token") else ""
+        raise TypeError(
+            f"model must be a model (a torch module), got {type(model).__name__} {str(model)[:60]!r}{swapped}. Pass "
+            "the wrapped model (peft.get_peft_model or PeftModel.from_pretrained), or a plain transformers model."
+        )
+    return model
 
 
 def check_tokenizer(tokenizer: Any) -> None:
@@ -315,6 +357,8 @@ def lm_loss(
     Scored: every token but the first of a text; the completion of a prompt/completion row (every completion turn
     of TRL's conversational rows, lists of turns); the last turn of a chat. ``examples`` may be a datasets.Dataset.
     """
+    model = model_to_evaluate(model)
+    check_tokenizer(tokenizer)  # None failed per example, as "'NoneType' object is not callable"
     check_collection(examples, "examples")
     examples = list(examples)  # a datasets.Dataset gives its rows as dicts
     if not examples:
@@ -355,11 +399,18 @@ def multiple_choice_accuracy(
     choice's length in characters, as lm-evaluation-harness's ``acc_norm``). Rows hold ``question``, ``choices`` and
     the 0-based ``label``. As in the harness, each choice is scored as " " + choice without an end-of-text token a
     tokenizer appends."""
+    model = model_to_evaluate(model)
+    check_tokenizer(tokenizer)
     check_collection(rows, "rows", sized=False)  # one row (a dict) would be read as its keys
     check_sizes(batch_size, max_length)
     appends_eos = _appended_eos(tokenizer, "a", tokenizer("a")["input_ids"])
     pairs, spans, lengths = [], [], []
     for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):  # None failed as "not iterable", a list as "unhashable type"
+            raise TypeError(
+                f"Row {i} is {type(row).__name__} {str(row)[:60]!r}; a multiple-choice row is a dict with the keys "
+                "question, choices and label. Give each row as a dict."
+            )
         missing = {"question", "choices", "label"} - set(row)
         if missing:
             raise ValueError(f"Row {i} lacks {sorted(missing)}; multiple-choice rows need question, choices, label.")
@@ -431,14 +482,18 @@ def _warn_if_cut(pairs: list, owners: list[int], max_length: int, what: str) -> 
         )
 
 
-def check_collection(items: Any, name: str, sized: bool = True) -> None:
-    """A list of examples, not one example: a dict iterates over its keys and a string over its characters. With
-    ``sized``, a collection with a length (not a generator)."""
-    if isinstance(items, (str, dict)) or not isinstance(items, Iterable) or (sized and not hasattr(items, "__len__")):
-        raise TypeError(
-            f"{name} must be a list of texts or rows, got {type(items).__name__} {str(items)[:60]!r}; wrap a single "
-            "example in a list (a datasets.Dataset or another sized collection of rows is taken as it is)."
-        )
+def check_collection(items: Any, name: str, sized: bool = True, kind: str = "texts or rows") -> None:
+    """A list of examples (``kind``), not one example: a dict iterates over its keys and a string over its characters.
+    With ``sized``, a collection with a length (not a generator)."""
+    single = isinstance(items, (str, dict)) or not isinstance(items, Iterable)
+    if single or (sized and not hasattr(items, "__len__")):
+        if items is None:
+            fix = f"give the list of {kind}"
+        elif single:
+            fix = "wrap a single example in a list (a datasets.Dataset or another sized collection is taken as it is)"
+        else:
+            fix = "pass list(...) of it (it has no length)"
+        raise TypeError(f"{name} must be a list of {kind}, got {type(items).__name__} {str(items)[:60]!r}; {fix}.")
 
 
 def _label(row: int, label: Any, count: int) -> int:
