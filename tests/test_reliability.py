@@ -407,28 +407,36 @@ def test_the_tuner_class_refuses_another_methods_config():
     assert same_state(base, before)
 
 
-def test_modes_bi_and_moe_refuse_a_model_whose_every_adapter_was_deleted(tokenizer):
-    """The SentenceTransformer went on embedding with the base FFNs under bidirectional attention (an untrained
-    model), and set_stage called the deleted adapter "not a UBMoE adapter of this model"."""
+def test_modes_bi_and_moe_refuse_a_model_without_an_active_adapter(tokenizer, tmp_path):
+    """Once the active adapter was deleted, the SentenceTransformer went on embedding with the base FFNs under
+    bidirectional attention (an untrained model), and set_stage called the deleted adapter "not a UBMoE adapter of
+    this model"; an adapter loaded after that is not made active (as in PEFT), and the model ran the base FFNs."""
     from conftest import tiny_model
 
     model = trained(wrap(tiny_model("llama")))  # the tokenizer's vocabulary
+    model.save_pretrained(tmp_path)
+    ids = torch.arange(3, 11).view(1, 8)
+    expected = {mode: logits_in(model, mode, ids) for mode in ("bi", "moe")}
     st = ubmoe_peft.to_sentence_transformer(model, tokenizer)
     model.delete_adapter("default")
-    with pytest.raises(ValueError, match=r"Mode 'bi' needs a UBMoE adapter, and this model has none left"):
+    with pytest.raises(ValueError, match=r"Mode 'bi' needs an active UBMoE adapter, and this model has none"):
         st.encode(["a b c"])
     inner = model.base_model.model
     for mode in ("bi", "moe"):
-        ubmoe_peft.set_mode(model, mode)
-        with pytest.raises(ValueError, match=rf"Mode '{mode}' needs a UBMoE adapter.*add_adapter"):
-            logits(inner, torch.arange(3, 11).view(1, 8))
+        with pytest.raises(ValueError, match=rf"Mode '{mode}' needs an active UBMoE adapter.*add_adapter"):
+            logits_in(inner, mode, ids)
     for stage in ("contrastive", "router"):
-        with pytest.raises(ValueError, match=r"has none left \(delete_adapter removed the last one\)"):
+        with pytest.raises(ValueError, match=r"has none \(delete_adapter removed the active one\)"):
             ubmoe_peft.set_stage(model, stage)
-    ubmoe_peft.set_mode(model, "uni")  # the base model
-    torch.testing.assert_close(
-        logits(inner, torch.arange(3, 11).view(1, 8)), logits(tiny_model("llama"), torch.arange(3, 11).view(1, 8))
-    )
+    torch.testing.assert_close(logits_in(inner, "uni", ids), logits(tiny_model("llama"), ids))  # the base model
+    model.load_adapter(tmp_path, adapter_name="default")  # loaded, not active
+    with pytest.raises(ValueError, match=r"activate one of its adapters \['default'\] with model.set_adapter"):
+        logits_in(inner, "moe", ids)
+    with pytest.raises(ValueError, match=r"needs an active UBMoE adapter"):
+        ubmoe_peft.set_stage(model, "router")
+    model.set_adapter("default")
+    for mode, value in expected.items():
+        torch.testing.assert_close(logits_in(model.eval(), mode, ids), value, rtol=0, atol=0)
 
 
 def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):

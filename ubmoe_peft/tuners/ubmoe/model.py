@@ -466,9 +466,10 @@ class UBMoEModel(BaseTuner):
             for layer in self.model.modules():
                 if isinstance(layer, UBMoELayer):
                     layer.set_attention_hooks(state.attention_hooked)
-        if state.adapters_enabled and state.mode != "uni" and not self.peft_config:
-            # every adapter deleted: the layers ran the base FFNs, and mode bi's attention bidirectional, silently
-            raise no_adapter_error(state.mode)
+        if state.adapters_enabled and state.mode != "uni" and not self.active_adapters:
+            # the active adapter deleted (one added or loaded after it is not made active, as in PEFT): the layers ran
+            # the base FFNs, and mode bi's attention bidirectional, silently
+            raise no_adapter_error(state.mode, list(self.peft_config))
         if state.spec.causal or not state.adapters_enabled:
             return None
         implementation = self._attn_implementation()

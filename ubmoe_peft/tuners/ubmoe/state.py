@@ -34,13 +34,18 @@ def allowed_pairs(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
-def no_adapter_error(mode: str) -> ValueError:
-    """Raised in modes bi and moe (and by set_stage) once every UBMoE adapter of a model was deleted."""
+def no_adapter_error(mode: str, adapters: list[str]) -> ValueError:
+    """Raised in modes bi and moe (and by set_stage) while no UBMoE adapter is active: delete_adapter removed the
+    active one, and an adapter added or loaded after that is not made active (as in PEFT)."""
+    fix = (
+        f"activate one of its adapters {adapters} with model.set_adapter(name)"
+        if adapters
+        else "add one with model.add_adapter(name, UBMoEConfig()) or model.load_adapter(folder, adapter_name=name), "
+        "then model.set_adapter(name)"
+    )
     return ValueError(
-        f"Mode {mode!r} needs a UBMoE adapter, and this model has none left (delete_adapter removed the last one): "
-        "its layers would run the base model's FFNs (under bidirectional attention in mode bi). Add one with "
-        "model.add_adapter(name, UBMoEConfig()) or model.load_adapter(folder, adapter_name=name), or use mode 'uni' "
-        "(the base model)."
+        f"Mode {mode!r} needs an active UBMoE adapter, and this model has none (delete_adapter removed the active "
+        f"one): its layers would run the base model's FFNs (under bidirectional attention in mode bi). To go on, {fix}."
     )
 
 
