@@ -96,8 +96,7 @@ def set_stage(model: nn.Module, stage: str) -> None:
     layers = ubmoe_layers(model)
     if not any(layer.active_adapters for layer in layers):  # it named the deleted adapter "not a UBMoE adapter",
         # and one loaded after it, not made active, was staged while the layers ran the base FFNs
-        tuner = next((m for m in model.modules() if isinstance(getattr(m, "peft_config", None), dict)), None)
-        raise no_adapter_error(STAGES[stage], list(tuner.peft_config) if tuner is not None else [])
+        raise no_adapter_error(STAGES[stage], sorted({name for layer in layers for name in layer.ubmoe_router}))
     if not any(adapter in layer.ubmoe_router for layer in layers):
         raise ValueError(f"Adapter {adapter!r} is not a UBMoE adapter of this model.")
     for param in model.parameters():
