@@ -1685,6 +1685,17 @@ def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
             no_rope_layers=[0, 1],
             **small,
         ),
+        **{  # decoder layers that drop is_causal=False
+            name: lambda cls=cls: cls(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                **small,
+            )
+            for name, cls in (("stablelm", tf.StableLmConfig), ("nemotron", tf.NemotronConfig))
+        },
         "modernbert-decoder": lambda: tf.ModernBertDecoderConfig(
             hidden_size=32,
             intermediate_size=64,
@@ -1719,6 +1730,27 @@ def test_an_architecture_that_ignores_is_causal_fails_in_mode_bi_not_silently(mo
     with pytest.raises(RuntimeError, match="merge_and_unload.target='bi'. makes the mode-bi model, which this model"):
         model.merge_and_unload(target="bi")
     assert ubmoe_peft.get_mode(model) == "moe" and any(isinstance(m, UBMoELayer) for m in model.modules())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["stablelm", "nemotron"])
+def test_mode_bi_hands_is_causal_to_attention_a_decoder_layer_drops_it(model_type, attn):
+    """StableLM's and Nemotron's decoder layers drop is_causal=False on the way to attention: with padding the mask
+    was bidirectional, but one text alone (mask None) ran causal on sdpa, and mode bi refused it."""
+    model = get_peft_model(_foreign(model_type, attn), UBMoEConfig())
+    perturb_adapters(model)
+    ids, mask = batch(padding="right")
+    changed = ids.clone()
+    changed[1:, -1] = (changed[1:, -1] + 5) % 128  # the last token of the unpadded rows
+    for mode, sees_later in (("bi", True), ("moe", False), ("uni", False)):
+        ubmoe_peft.set_mode(model, mode)
+        alone = torch.cat([logits(model, ids[i : i + 1], None) for i in (1, 2)])  # one unpadded text per call
+        moved = torch.cat([logits(model, changed[i : i + 1], None) for i in (1, 2)])
+        assert bool((alone[:, 0] - moved[:, 0]).abs().max() > 1e-3) is sees_later, mode
+        torch.testing.assert_close(alone, logits(model, ids, mask)[1:])  # as in a padded batch
+    with pytest.raises(ValueError, match=f"cannot make a bidirectional '{model_type}' model: its decoder layers drop"):
+        model.merge_and_unload(target="bi")
+    assert any(isinstance(m, UBMoELayer) for m in model.modules())
 
 
 def test_the_mode_bi_check_covers_a_hybrid_whose_first_layer_is_not_attention():

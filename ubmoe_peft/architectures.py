@@ -36,6 +36,12 @@ FALLBACK_FFN_NAMES = ("mlp", "feed_forward", "ffn")
 # model itself fails so with a bare TypeError).
 NO_BIDIRECTIONAL_IMPLEMENTATION: dict[str, tuple[str, ...]] = {"modernbert-decoder": ("eager",)}
 
+# model_types whose decoder layer drops its extra keyword arguments (`is_causal=False` among them) on the way to
+# attention, while the attention module passes its own on to transformers' attention function (5.24). With padding,
+# the mask is bidirectional; without, the mask is None and sdpa / flash fall back on the module's `is_causal=True`.
+# Mode bi hands the flag to each attention module itself; the functional tests cover each type per implementation.
+ATTENTION_TAKES_IS_CAUSAL: frozenset[str] = frozenset({"stablelm", "nemotron"})
+
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 

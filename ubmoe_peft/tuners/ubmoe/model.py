@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 
 from ...architectures import (
+    ATTENTION_TAKES_IS_CAUSAL,
     FFN_MODULES,
     NO_BIDIRECTIONAL_IMPLEMENTATION,
     attention_module,
@@ -385,8 +386,12 @@ class UBMoEModel(BaseTuner):
         types = getattr(text_config(self.model), "layer_types", None)
         types = types if isinstance(types, (list, tuple)) and len(types) == len(layers) else [None] * len(layers)
         checked = set()
+        hand_flag = getattr(text_config(self.model), "model_type", None) in ATTENTION_TAKES_IS_CAUSAL
         for (_, layer), kind in zip(layers, types, strict=True):
             attention = attention_module(layer)
+            if attention is not None and hand_flag:  # first, so that the check below sees the flag it was handed
+                hook = _TunerHook(self._attention_not_causal)
+                self._ubmoe_hooks.append(attention.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             if attention is not None and kind not in checked:
                 checked.add(kind)
                 check = _TunerHook(self._check_bidirectional)
@@ -511,6 +516,14 @@ class UBMoEModel(BaseTuner):
         kwargs["use_cache"] = False
         return args, kwargs
 
+    def _attention_not_causal(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Mode bi's `is_causal=False`, handed to an attention module whose decoder layer drops it (StableLM,
+        Nemotron: one unpadded text ran causal on sdpa)."""
+        state = self._ubmoe_state
+        if state.spec.causal or not state.adapters_enabled:
+            return None
+        return args, {**kwargs, "is_causal": False}
+
     def _check_bidirectional(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Fail loudly if a transformers release turned mode bi's attention causal again (seen in peer projects)."""
         state = self._ubmoe_state
@@ -621,6 +634,14 @@ class UBMoEModel(BaseTuner):
         """Run two tokens in mode bi before the bi merge changes anything: the merged model is bidirectional only
         where mode bi is (its config's ``is_causal=False`` is what mode bi passes at each forward). GPT-Neo, which
         ignores both, was merged into a causal model presented as the embedding model, without a word."""
+        model_type = getattr(text_config(self.model), "model_type", None)
+        if model_type in ATTENTION_TAKES_IS_CAUSAL:
+            raise ValueError(
+                f"merge_and_unload(target='bi') cannot make a bidirectional {model_type!r} model: its decoder layers "
+                "drop is_causal=False on the way to attention, so the merged model, loaded without ubmoe-peft, would "
+                "attend causally to any text without padding (mode bi hands the flag to each attention module "
+                "itself). Keep the adapter and embed in mode bi (ubmoe_peft.to_sentence_transformer(model))."
+            )
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.model.get_input_embeddings().weight.device)
         state = self._ubmoe_state
         # Under the forward lock throughout: no other thread's forward runs in mode bi meanwhile
