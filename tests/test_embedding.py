@@ -645,7 +645,7 @@ def test_an_encoder_of_a_module_inside_the_peft_model_is_refused_before_anything
 
     model = _wrapped()
     module = model.base_model if inner == "base_model" else model.base_model.model
-    with pytest.raises(ValueError, match=r"is a module inside the wrapped model .* not the PeftModel: .* from the Pe"):
+    with pytest.raises(ValueError, match=r"a module inside the wrapped model .* is not the PeftModel: .* from the Pe"):
         to_sentence_transformer(module, tokenizer)
     st = sentence_transformer_of(module, tokenizer)  # sts_spearman's: it embeds, and never saves
     texts = [w(5, 6, 7), w(9)]

@@ -522,6 +522,12 @@ def test_trainers_refuse_a_model_without_ubmoe_layers(tokenizer, tmp_path):
             ContrastiveTrainer(inner, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)))
         with pytest.raises(ValueError, match="Pass the PeftModel that peft.get_peft_model"):
             RouterTrainer(inner, args=RouterConfig(output_dir=str(tmp_path)), processing_class=tokenizer)
+    # a compiled PeftModel was called "a module inside the wrapped model"
+    compiled = torch.compile(wrapped)
+    with pytest.raises(ValueError, match=r"got OptimizedModule, the PeftModel compiled by torch.compile.*_orig_mod"):
+        ContrastiveTrainer(compiled, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"to_sentence_transformer got OptimizedModule, the PeftModel compiled"):
+        ubmoe_peft.to_sentence_transformer(compiled, tokenizer)
 
 
 def test_trainers_refuse_a_second_adapter_config_and_foreign_args(tokenizer, tmp_path):

@@ -268,7 +268,7 @@ class UBMoEEncoder(InputModule):
         as the new weights under the old prompt)."""
         from .io import atomic_folder, atomic_write_text
 
-        _check_saves_the_adapter(self.model)  # before anything is written
+        _check_saves_the_adapter(self.model, "The encoder's save")  # before anything is written
         active = getattr(self.model, "active_adapter", None)
         selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
         with atomic_folder(Path(output_path) / ADAPTER_FOLDER, replace=True) as staged:
@@ -315,16 +315,28 @@ class UBMoEEncoder(InputModule):
         )
 
 
-def _check_saves_the_adapter(model: nn.Module) -> None:
-    """``model`` is the PeftModel. A module inside it (the tuner, ``model.base_model``, or the transformers model,
-    ``model.base_model.model``) embeds alike, but its ``save_pretrained`` is the tuner's or transformers' own: the
-    save wrote the whole base model where the adapter belongs, then failed naming a missing adapter."""
+def not_the_peft_model(model: nn.Module, caller: str) -> str | None:
+    """What ``model`` is, when it holds UBMoE layers but is not the PeftModel whose ``save_pretrained`` writes the
+    adapter: a module inside it (the tuner, ``model.base_model``, or the transformers model,
+    ``model.base_model.model``), whose save is transformers' own (it wrote the whole base model where the adapter
+    belongs, then failed naming a missing adapter). The PeftModel compiled by ``torch.compile`` is refused here."""
     from peft import PeftModel
 
-    if not isinstance(model, PeftModel):
+    if isinstance(model, PeftModel):
+        return None
+    if isinstance(getattr(model, "_orig_mod", None), PeftModel):
         raise ValueError(
-            f"{type(model).__name__} is a module inside the wrapped model (model.base_model or "
-            "model.base_model.model), not the PeftModel: it embeds alike, but a save of the encoder would write the "
+            f"{caller} got {type(model).__name__}, the PeftModel compiled by torch.compile; it takes the PeftModel "
+            "itself (model._orig_mod), whose save_pretrained writes the adapter."
+        )
+    return f"{type(model).__name__}, a module inside the wrapped model (model.base_model or model.base_model.model)"
+
+
+def _check_saves_the_adapter(model: nn.Module, caller: str) -> None:
+    what = not_the_peft_model(model, caller)
+    if what:
+        raise ValueError(
+            f"{what} is not the PeftModel: it embeds alike, but a save of the encoder would write the "
             "whole base model instead of the adapter. Build the encoder from the PeftModel that peft.get_peft_model "
             "or PeftModel.from_pretrained returned: to_sentence_transformer(model, tokenizer)."
         )
@@ -494,7 +506,7 @@ def sentence_transformer_of(
     # its base took over: named as such (it was told to wrap itself again, which is refused for a PeftModel)
     mode_state(model)
     if saves:
-        _check_saves_the_adapter(model)
+        _check_saves_the_adapter(model, "to_sentence_transformer")
     encoder = UBMoEEncoder(model, tokenizer, prompt=prompt, max_length=max_length, mode=mode)
     pool = Pooling(encoder.get_embedding_dimension(), pooling_mode=pooling)
     device = next(model.parameters()).device

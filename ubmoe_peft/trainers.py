@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from torch import nn
 
 from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
-from .embedding import ADAPTER_FOLDER
+from .embedding import ADAPTER_FOLDER, not_the_peft_model
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, AdapterMismatchError, read_json_config
 from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
@@ -128,10 +127,10 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
             f"{trainer} got {type(model).__name__}, which has no UBMoE layers: pass the wrapped model, "
             "peft.get_peft_model(base, UBMoEConfig()) or PeftModel.from_pretrained(base, adapter_dir)."
         )
-    if not isinstance(model, PeftModel):  # the inner model trained, then its save wrote the whole base (or failed)
+    what = not_the_peft_model(model, trainer)
+    if what:  # the inner model trained, then its save wrote the whole base (or failed)
         raise ValueError(
-            f"{trainer} got {type(model).__name__}, a module inside the wrapped model (model.base_model or "
-            "model.base_model.model): it trains, but saving it writes the whole base model instead of the adapter. "
+            f"{trainer} got {what}: it trains, but saving it writes the whole base model instead of the adapter. "
             "Pass the PeftModel that peft.get_peft_model or PeftModel.from_pretrained returned."
         )
 
