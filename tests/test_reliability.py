@@ -309,6 +309,8 @@ def test_a_copy_expert_saved_with_ffn_projections_still_loads(tmp_path, signatur
     ids = torch.arange(8).view(1, 8)
     loaded = peft.PeftModel.from_pretrained(tiny(), tmp_path).eval()
     torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=0, atol=0)
+    # PEFT's generic loader (PeftConfig, AutoPeftModel) builds the config from the file's dict: it was refused there
+    assert peft.PeftConfig.from_pretrained(tmp_path).ffn_projections == ["up_proj"]
     with pytest.raises(ValueError, match=r"ffn_projections=\['up_proj'\]\) chooses the projections of a LoRA"):
         ubmoe_peft.UBMoEConfig(expert_type="copy", ffn_projections=["up_proj"])  # a new one still is refused
 
