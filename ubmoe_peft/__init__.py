@@ -4,6 +4,8 @@ Importing this package registers the ``UBMOE`` method with PEFT, so ``peft.get_p
 ``save_pretrained`` and ``PeftModel.from_pretrained`` work as for any PEFT method.
 """
 
+import importlib.util
+
 from .dependence import DependenceResult, attention_dependence
 from .evaluation import lm_loss, multiple_choice_accuracy, sts_spearman
 from .modes import get_mode, routing_stats, set_mode, set_stage, track_routing, use_mode
@@ -29,10 +31,6 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ContrastiveConfig",
-    "ContrastiveTrainer",
-    "RouterConfig",
-    "RouterTrainer",
     "DependenceResult",
     "UBMoEConfig",
     "UBMoELayer",
@@ -40,13 +38,14 @@ __all__ = [
     "attention_dependence",
     "get_mode",
     "lm_loss",
-    "load_sentence_transformer",
     "multiple_choice_accuracy",
     "routing_stats",
     "set_mode",
     "set_stage",
     "sts_spearman",
-    "to_sentence_transformer",
     "track_routing",
     "use_mode",
 ]
+# the names of the optional extra, where it is installed (a star import resolves each name in __all__)
+if all(importlib.util.find_spec(name) for name in ("sentence_transformers", "trl", "datasets")):
+    __all__ += [*_TRAINERS, "load_sentence_transformer", "to_sentence_transformer"]

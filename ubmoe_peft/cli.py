@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ._extras import MissingPackageError
 from .tuners.ubmoe.config import UBMoEConfig
 
 _DEVICE_HELP = "Device to run on, e.g. 'cpu' or 'cuda'. Default: 'cuda' when available, else 'cpu'."
@@ -943,13 +944,13 @@ def _given_options(parser: Any, argv: Sequence[str]) -> set[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console entry point: exit status 0 on success (the results are printed, and written by --output), 2 with
-    the message alone for a bad input (a value, a file, an adapter: these errors name what was passed and the fix, and
-    a traceback above them only buried that). Any other exception, a bug, keeps its traceback, as does every error
-    with UBMOE_TRACEBACK=1 set."""
+    the message alone for a bad input (a value, a file, an adapter, a missing optional package: these errors name what
+    was passed and the fix, and a traceback above them only buried that). Any other exception, a bug, keeps its
+    traceback, as does every error with UBMOE_TRACEBACK=1 set."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         run(argv)
-    except (ValueError, FileExistsError, FileNotFoundError, NotImplementedError) as err:
+    except (ValueError, FileExistsError, FileNotFoundError, NotImplementedError, MissingPackageError) as err:
         if os.environ.get("UBMOE_TRACEBACK", "0") not in ("", "0"):
             raise
         print(f"ubmoe {argv[0]}: error: {err}", file=sys.stderr)

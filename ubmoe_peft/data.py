@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ._extras import require
+
 DEMO_DATA = Path(__file__).parent / "demo_data"
 DEMO_FILES = {"contrastive": "triplets.jsonl", "sts": "sts.tsv", "sft": "chat.jsonl"}
 _SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv", ".txt": "text", ".parquet": "parquet"}
@@ -44,6 +46,7 @@ def load_rows(
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id, with its ``config`` where it has
     several; None: the demo data). ``text_field`` is read as the plain-text column "text" (TRL's
     ``dataset_text_field``); ``config_option`` is the command-line option that gave ``config``, for errors."""
+    require("Reading data (load_rows, the command line's --data)", "train", "datasets")
     from datasets import load_from_disk
 
     if spec is None:

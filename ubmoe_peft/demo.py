@@ -55,7 +55,9 @@ class DemoArgs:
     )
 
     def __post_init__(self) -> None:  # checked now, not after a minute of loading and measuring the base model
+        from ._extras import require
         from .cli import check_device
+        from .smollm2 import smollm2_dir
         from .tuners.ubmoe.config import EXPERT_TYPES
 
         if self.expert_type not in EXPERT_TYPES:
@@ -71,6 +73,9 @@ class DemoArgs:
         if self.contrastive_lr is not None and not self.contrastive_lr > 0:
             raise ValueError(f"--contrastive_lr {self.contrastive_lr!r} must be positive, or left out for the default.")
         check_device(self.device)
+        # the plots come last, after the adapter and report.json are written (a rerun then refused the folder)
+        require("ubmoe demo's plots", "train", "matplotlib")
+        smollm2_dir()
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ValueError(f"--output_dir {self.output_dir!r} is a file; name a folder for the demo's outputs.")
         left = [name for name in _OUTPUTS if (Path(self.output_dir) / name).exists()]

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from ._extras import require
 from .architectures import backbone, text_config
 from .evaluation import check_tokenizer, encoder_model, with_pad_token
 from .io import UBMoEFileError, _looks_local, read_json_config
@@ -23,14 +24,15 @@ from .modes import forward_in_mode, mode_state, ubmoe_layers
 from .tuners.ubmoe.model import UBMoEModel
 from .tuners.ubmoe.state import MODES
 
-try:
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules.input_module import InputModule
-    from sentence_transformers.sentence_transformer.modules import Pooling
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "to_sentence_transformer needs sentence-transformers: install it with `pip install ubmoe-peft[train]`."
-    ) from err
+# ruff: noqa: E402 (the imports below need the optional extra, named first)
+require(
+    "The sentence-transformers wrapper (to_sentence_transformer, load_sentence_transformer, sts_spearman)",
+    "train",
+    "sentence_transformers",
+)
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules.input_module import InputModule
+from sentence_transformers.sentence_transformer.modules import Pooling
 
 
 def prompt_or_none(prompt: str | None) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._extras import require
 from .modes import forward_in_mode, get_mode, ubmoe_layers
 
 
@@ -41,6 +42,7 @@ def sts_spearman(
 ) -> float:
     """Spearman correlation x 100 between the cosine similarity of the two sentences' embeddings and the gold score,
     embedded in ``mode`` (None: the model's current mode, as in the other evaluations)."""
+    require("sts_spearman", "train", "sentence_transformers")
     from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
 
     from .embedding import sentence_transformer_of

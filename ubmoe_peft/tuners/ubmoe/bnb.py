@@ -45,7 +45,7 @@ def _import_bnb():
     except ImportError as err:  # a bnb layer without bnb importable: a broken environment
         raise ImportError(
             "This model has bitsandbytes layers, but bitsandbytes cannot be imported. Install it with "
-            "`pip install ubmoe-peft[bnb]`."
+            '`pip install "ubmoe-peft[bnb]"`.'
         ) from err
     return bnb
 
