@@ -842,3 +842,28 @@ def test_training_float16_weights_is_refused(tokenizer, tmp_path, adapter, train
             )
     lora = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig())  # fp32 LoRA and routers train
     ContrastiveTrainer(lora, tokenizer, args=ContrastiveConfig(str(tmp_path), **QUIET), train_dataset=_pairs())
+
+
+def test_training_in_turns_with_gradient_checkpointing_keeps_one_input_grads_hook(tokenizer, tmp_path):
+    """transformers adds a `make_inputs_require_grads` hook to the input embedding at every train() with gradient
+    checkpointing and never removes one; sentence-transformers enables checkpointing on all four submodules that have
+    it. A model trained by stage 1 and stage 2 in turn gained 5 hooks per round, each called by every later forward."""
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    quick = dict(QUIET, max_steps=1, gradient_checkpointing=True, output_dir=str(tmp_path))
+    stage_1 = ContrastiveTrainer(
+        model, tokenizer, args=ContrastiveConfig(per_device_train_batch_size=8, **quick), train_dataset=_pairs()
+    )
+    stage_2 = RouterTrainer(
+        model,
+        args=RouterConfig(per_device_train_batch_size=4, max_length=32, **quick),
+        train_dataset=_texts(),
+        processing_class=tokenizer,
+    )
+    embeddings = model.get_input_embeddings()
+    for _ in range(2):
+        for trainer in (stage_1, stage_2):
+            before = _snapshot(model)
+            trainer.train()
+            assert _changed(model, before)  # checkpointed layers still pass gradients to the trained parameters
+            names = [hook.__name__ for hook in embeddings._forward_hooks.values()]
+            assert names.count("make_inputs_require_grads") == 1, names

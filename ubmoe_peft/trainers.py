@@ -134,6 +134,19 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
         )
 
 
+def _drop_repeated_input_grad_hooks(model: nn.Module) -> None:
+    """Keep one of transformers' ``make_inputs_require_grads`` hooks on the input embedding. Gradient checkpointing
+    adds one at every ``train()`` and none is ever removed; sentence-transformers enables it on every submodule that
+    has it (PeftModel, tuner, causal LM, backbone): a model trained by stage 1 and stage 2 in turn gained 5 hooks per
+    round, each called by every later forward and decode step. Only its name tells the hook apart."""
+    embeddings = model.get_input_embeddings()
+    hooks = [key for key, hook in embeddings._forward_hooks.items() if hook.__name__ == "make_inputs_require_grads"]
+    for key in hooks[1:]:
+        del embeddings._forward_hooks[key]
+        embeddings._forward_hooks_with_kwargs.pop(key, None)
+        embeddings._forward_hooks_always_called.pop(key, None)
+
+
 def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:
     """AdamW's update of a float16 weight is NaN or inf for a gradient below about 2e-4 (its square is 0, and so is
     eps 1e-8): an fp16 copy expert turned NaN within a few steps while the logged loss read 0 (transformers drops
@@ -478,8 +491,11 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         # Stage again when training starts, not only when the trainer is made: another trainer (stage 2) or a
         # set_mode made since then would leave this one training nothing, silently (the optimizer is built here).
         set_stage(self.peft_model, "contrastive")
-        with attention_dropout(self.peft_model, self.args.attention_dropout):
-            return super().train(*args, **kwargs)
+        try:
+            with attention_dropout(self.peft_model, self.args.attention_dropout):
+                return super().train(*args, **kwargs)
+        finally:
+            _drop_repeated_input_grad_hooks(self.peft_model)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -748,7 +764,10 @@ class RouterTrainer(SFTTrainer):
         # Stage again when training starts (see ContrastiveTrainer.train): a stage-1 trainer made after this one left
         # the model in mode bi with the experts trainable, and SFT then trained them with bidirectional attention.
         set_stage(self.model, "router")
-        return super().train(*args, **kwargs)
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            _drop_repeated_input_grad_hooks(self.model)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         try:
