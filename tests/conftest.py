@@ -6,6 +6,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     Gemma2Config,
     GemmaConfig,
@@ -42,18 +43,50 @@ CONFIGS = {
     "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=8, sliding_window=64),
     "phi3": lambda: Phi3Config(**_COMMON),
 }
+
+
+def _export_config(model_type: str, **kwargs):
+    return lambda: AutoConfig.for_model(model_type, **_COMMON, **kwargs)
+
+
+_GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=2.5)
+# Dense families tested for the MoE export only (tests/test_merge.py); CONFIGS holds those every test covers. Each
+# sets what its MoE twin has to carry over: Granite's multipliers, a head_dim apart from hidden / heads,
+# sliding-window layers shorter than the test texts, Cohere2's rope-free global layer, Qwen3.5's linear attention.
+EXPORT_CONFIGS = dict(
+    granite=_export_config("granite", **_GRANITE),
+    granite_swa=_export_config(
+        "granite_swa", **_GRANITE, sliding_window=4, layer_types=["full_attention", "sliding_attention"]
+    ),
+    ernie4_5=_export_config("ernie4_5", head_dim=16),
+    olmo2=_export_config("olmo2"),
+    cohere2=_export_config(
+        "cohere2", sliding_window=4, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5
+    ),
+    seed_oss=_export_config("seed_oss", head_dim=16),
+    qwen3_5_text=_export_config("qwen3_5_text", head_dim=8, layer_types=["linear_attention", "full_attention"]),
+    exaone=_export_config("exaone"),
+    internlm3=_export_config("internlm3", head_dim=16),
+    iquestcoder=_export_config("iquestcoder", head_dim=16),
+)
 ARCHS = list(CONFIGS)
 ATTNS = ["eager", "sdpa"]
 EXPERTS = ["lora", "copy"]
-NO_SDPA = {"gemma2"}  # transformers refuses sdpa for Gemma2 (soft-capped attention)
+# transformers refuses sdpa for Gemma2 (soft-capped attention) and Granite-SWA (attention sinks)
+NO_SDPA = {"gemma2", "granite_swa"}
 ARCH_ATTNS = [(arch, attn) for arch in ARCHS for attn in ATTNS if not (attn == "sdpa" and arch in NO_SDPA)]
+
+
+def config_of(arch: str):
+    """A new config of a tested architecture (CONFIGS) or of one tested for the MoE export only."""
+    return (CONFIGS | EXPORT_CONFIGS)[arch]()
 
 
 def tiny_model(arch: str = "llama", attn: str | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A tiny random causal LM of ``arch`` in eval mode; the same seed gives the same weights."""
     attn = attn or ("eager" if arch in NO_SDPA else "sdpa")
     torch.manual_seed(seed)
-    config = CONFIGS[arch]()
+    config = config_of(arch)
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()

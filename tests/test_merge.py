@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCH_ATTNS, CONFIGS, EXPERTS, batch, perturb_adapters, tiny_model
+from conftest import ARCH_ATTNS, CONFIGS, EXPERTS, batch, config_of, perturb_adapters, tiny_model
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -201,6 +201,16 @@ MOE_ARCHS = {
     "mistral": "MixtralForCausalLM",
     "qwen2": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3MoeForCausalLM",
+    "exaone": "MixtralForCausalLM",
+    "internlm3": "MixtralForCausalLM",
+    "iquestcoder": "MixtralForCausalLM",
+    "seed_oss": "Qwen2MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5MoeForCausalLM",
+    "granite": "GraniteMoeForCausalLM",
+    "granite_swa": "GraniteMoeSWAForCausalLM",
+    "ernie4_5": "Ernie4_5_MoeForCausalLM",
+    "olmo2": "FlexOlmoForCausalLM",
+    "cohere2": "Cohere2MoeForCausalLM",
 }
 
 
@@ -256,7 +266,7 @@ def test_exported_fresh_model_is_the_base_model(arch):
         assert torch.equal(exported.generate(input_ids=ids, **greedy), reference.generate(input_ids=ids, **greedy))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "seed_oss"])
 def test_export_with_layers_to_transform(arch):
     model = get_peft_model(tiny_model(arch), UBMoEConfig(layers_to_transform=[1])).eval()
     perturb_adapters(model)
@@ -265,6 +275,22 @@ def test_export_with_layers_to_transform(arch):
     exported = model.merge_and_unload()
     if arch != "llama":
         assert exported.config.mlp_only_layers == [0]  # the untouched layer stays a dense FFN
+    real = mask.bool()
+    torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("arch", ["granite", "ernie4_5", "olmo2", "cohere2", "qwen3_5_text"])
+def test_export_to_a_twin_without_dense_layers(arch, top_k):
+    """Only Qwen2/Qwen3-MoE keep a layer dense: in the other twins (Mixtral's way) a layer outside layers_to_transform
+    gets the original FFN as both experts and a zero router, which top-1 and top-2 both turn into that FFN."""
+    model = get_peft_model(tiny_model(arch), UBMoEConfig(layers_to_transform=[1], top_k=top_k)).eval()
+    perturb_adapters(model)
+    ids, mask = batch(padding="right")
+    expected = logits(model, ids, mask)
+    exported = model.merge_and_unload()
+    experts = [p for n, p in exported.named_parameters() if ".layers.0." in n and ".experts." in n]
+    assert len(experts) == 2 and all(torch.equal(p[0], p[1]) for p in experts)  # uni twice in layer 0
     real = mask.bool()
     torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
 
@@ -337,6 +363,58 @@ def test_export_refuses_biases_mixtral_does_not_have():
     model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
     with pytest.raises(ValueError, match=r"\['attention_bias'\]=True to Mixtral"):
         model.merge_and_unload()
+
+
+@pytest.mark.parametrize(
+    ("arch", "flag", "twin"),
+    [
+        ("exaone", "mlp_bias", "Mixtral"),
+        ("granite", "mlp_bias", "GraniteMoe"),
+        ("ernie4_5", "use_bias", "Ernie4_5_Moe"),
+        ("seed_oss", "attention_out_bias", "Qwen2Moe"),
+    ],
+)
+def test_export_refuses_biases_the_moe_twin_does_not_have(arch, flag, twin):
+    config = config_of(arch)
+    setattr(config, flag, True)  # read when the layers are built
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig())
+    with pytest.raises(ValueError, match=rf"\['{flag}'\]=True to {twin}, which has no such biases"):
+        model.merge_and_unload()
+
+
+@pytest.mark.parametrize(("arch", "bias"), [("granite", True), ("olmo2", True), ("cohere2", True), ("seed_oss", False)])
+def test_export_carries_the_attention_biases_of_its_twin(arch, bias):
+    """The twins with attention biases take the dense model's setting (Seed-OSS's as Qwen2-MoE's qkv_bias)."""
+    config = config_of(arch)
+    config.attention_bias = bias
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig()).eval()
+    perturb_adapters(model)
+    ids, mask = batch(padding="left")
+    expected = logits(model, ids, mask)
+    exported = model.merge_and_unload()
+    assert any(n.endswith("q_proj.bias") for n, _ in exported.named_parameters()) == bias
+    real = mask.bool()
+    torch.testing.assert_close(logits(exported, ids, mask)[real], expected[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("router_dtype", ["float32", "bfloat16"])
+def test_ernie_export_keeps_its_gates_in_fp32(router_dtype):
+    """ERNIE 4.5-MoE keeps its router weight in fp32 and computes its gate in fp32 in any model dtype: the export of a
+    bf16 model takes our fp32 routers as they are (they used to be rounded to bf16) and warns only for bf16 routers."""
+    import warnings
+
+    model = get_peft_model(tiny_model("ernie4_5", dtype=torch.bfloat16), UBMoEConfig(router_dtype=router_dtype))
+    perturb_adapters(model)
+    routers = [m.ubmoe_router["default"].weight.detach().clone() for m in model.modules() if isinstance(m, UBMoELayer)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exported = model.merge_and_unload()
+    warned = [w for w in caught if "routers compute in" in str(w.message)]
+    assert len(warned) == (router_dtype == "bfloat16")
+    assert all("gates in torch.float32" in str(w.message) for w in warned)
+    gates = [exported.model.layers[i].mlp.gate.weight for i in range(2)]
+    assert all(g.dtype == torch.float32 and torch.equal(g, r.float()) for g, r in zip(gates, routers, strict=True))
 
 
 @pytest.mark.parametrize("tied", [False, True])

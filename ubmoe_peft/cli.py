@@ -258,7 +258,8 @@ class ExportArgs:
     target: str = field(
         default="moe",
         metadata={
-            "help": "'moe': a plain Mixtral / Qwen-MoE model equal to mode moe; 'bi': the dense embedding model."
+            "help": "'moe': a plain transformers MoE model (the base's MoE twin, e.g. Mixtral) equal to mode moe; "
+            "'bi': the dense embedding model."
         },
     )
     safe_merge: bool = field(default=False, metadata={"help": "Refuse to export NaN or infinite merged weights."})

@@ -639,7 +639,7 @@ class UBMoEModel(BaseTuner):
     ) -> nn.Module:
         """The adapted model as a plain transformers model that needs no ubmoe-peft to load.
 
-        ``target="moe"`` (default): a new transformers MoE model (Mixtral for Llama/Mistral, Qwen3-MoE for Qwen3)
+        ``target="moe"`` (default): a new transformers MoE model (the base family's MoE twin, e.g. Mixtral for Llama)
         with the original FFN and the bi expert as its two experts and our routers; it equals mode moe (see
         ``ubmoe_peft.export``). The wrapped model is left as it is.
         ``target="bi"``: the dense embedding model, made in place as PEFT's merge does: each wrapped FFN becomes its
