@@ -867,3 +867,35 @@ def test_training_in_turns_with_gradient_checkpointing_keeps_one_input_grads_hoo
             assert _changed(model, before)  # checkpointed layers still pass gradients to the trained parameters
             names = [hook.__name__ for hook in embeddings._forward_hooks.values()]
             assert names.count("make_inputs_require_grads") == 1, names
+
+
+def test_a_next_token_forward_training_in_mode_bi_is_warned_about_once(tokenizer, tmp_path):
+    """TRL's DPO or KTO run after a ContrastiveTrainer (which leaves stage contrastive) trained the bi experts on
+    next-token log-likelihoods with bidirectional attention, where every position sees the token it predicts, without a
+    word. An embedding forward (hidden states, or the backbone alone) and the other modes are not warned about."""
+    import warnings
+
+    model = get_peft_model(tiny_model(), UBMoEConfig())
+    ContrastiveTrainer(
+        model, tokenizer, args=ContrastiveConfig(output_dir=str(tmp_path), max_steps=1, **QUIET), train_dataset=_pairs()
+    ).train()
+    assert ubmoe_peft.get_mode(model) == "bi"
+    ids, mask = batch()
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=ids, attention_mask=mask, output_hidden_states=True)  # an embedding forward
+        model.base_model.model.model(input_ids=ids, attention_mask=mask)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        with ubmoe_peft.use_mode(model, "moe"):
+            model(input_ids=ids, attention_mask=mask)
+        assert not [w for w in caught if "trains in mode 'bi'" in str(w.message)]
+        for _ in range(2):
+            model(input_ids=ids, attention_mask=mask)  # as DPO's policy forward
+    warned = [str(w.message) for w in caught if "trains in mode 'bi'" in str(w.message)]
+    assert len(warned) == 1 and "ubmoe_peft.set_stage(model, 'router') first" in warned[0]
+    ubmoe_peft.set_stage(model, "router")
+    with pytest.raises(RuntimeError, match=r"to train the routers through generation.*ubmoe_peft.set_stage\(model, .router.\)"):
+        with ubmoe_peft.use_mode(model, "bi"):
+            model.generate(input_ids=ids[:1], max_new_tokens=2)

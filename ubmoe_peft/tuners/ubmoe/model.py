@@ -418,6 +418,8 @@ class UBMoEModel(BaseTuner):
         self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
         if not isinstance(backbone.__dict__.get("forward"), _InterruptGuard):
             backbone.forward = _InterruptGuard(backbone)
+        if self.model is not backbone and getattr(self.model, "can_generate", lambda: False)():  # a causal LM
+            self._ubmoe_hooks.append(self.model.register_forward_pre_hook(self._before_lm, with_kwargs=True))
         layers = decoder_layers(self.model)
         self._decoder_layers = [layer for _, layer in layers]  # whose checkpoint function `_before_backbone` wraps
         # Any attention name: a backbone that drops `is_causal=False` (Falcon, GPT-Neo) must fail here, not run causal.
@@ -541,8 +543,10 @@ class UBMoEModel(BaseTuner):
             # its first step, whichever wrapper's `generate` was called.
             raise RuntimeError(
                 "Cannot generate with (or use) a KV cache in mode 'bi': each new token would change every earlier "
-                "hidden state. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass use_cache=False "
-                "to have the bidirectional model generate by encoding the whole text again at every step."
+                "hidden state. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe'); to train the routers "
+                "through generation, as TRL's GRPO does, ubmoe_peft.set_stage(model, 'router')), or pass "
+                "use_cache=False to have the bidirectional model generate by encoding the whole text again at every "
+                "step."
             )
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
             allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
@@ -559,6 +563,27 @@ class UBMoEModel(BaseTuner):
         # and a cache returned here could be passed on to decoding in another mode, which would continue from them.
         kwargs["use_cache"] = False
         return args, kwargs
+
+    def _before_lm(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Warn (once) when the causal LM's logits train in mode bi: TRL's trainers (DPO, KTO, ORPO, SFT) run after a
+        ContrastiveTrainer, which leaves the model in stage contrastive, trained the bi experts on next-token losses
+        with bidirectional attention, where every position sees the token it predicts, without a word. An embedding
+        forward asks for hidden states (or runs the backbone alone), so it is not warned about."""
+        state = self._ubmoe_state
+        if state.spec.causal or not state.adapters_enabled or not (module.training and torch.is_grad_enabled()):
+            return
+        if kwargs.get("output_hidden_states", getattr(module.config, "output_hidden_states", False)):
+            return
+        if not getattr(self, "_warned_lm_in_bi", False):
+            self._warned_lm_in_bi = True
+            warnings.warn(
+                "The causal LM trains in mode 'bi': its attention is bidirectional, so every position sees the token "
+                "it is asked to predict, and the bi experts are what trains. To train the routers with TRL's trainers "
+                "(SFT, DPO, KTO, ORPO, GRPO), call ubmoe_peft.set_stage(model, 'router') first (a ContrastiveTrainer "
+                "leaves the model in stage contrastive). If a next-token loss in mode bi is meant (masked next-token "
+                "training), ignore this warning.",
+                stacklevel=2,
+            )
 
     def _attention_not_causal(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Mode bi's `is_causal=False`, handed to an attention module whose decoder layer drops it (StableLM,
@@ -624,9 +649,10 @@ class UBMoEModel(BaseTuner):
             if bidirectional and kwargs.get("use_cache") is not False:
                 raise RuntimeError(
                     "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
-                    "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe')), or pass "
-                    "use_cache=False to have the bidirectional model generate by encoding the whole text again at "
-                    "every step (slow; how a bidirectional model's own generation is measured)."
+                    "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe'); to train the "
+                    "routers through generation, ubmoe_peft.set_stage(model, 'router')), or pass use_cache=False to "
+                    "have the bidirectional model generate by encoding the whole text again at every step (slow; how "
+                    "a bidirectional model's own generation is measured)."
                 )
             return self.model.generate(*args, **kwargs)
 
