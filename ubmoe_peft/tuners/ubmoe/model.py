@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -95,44 +94,6 @@ class _TunerHook:
         if id(tuner) not in memo and id(tuner.model) not in memo:  # one module copied alone
             return self
         return _TunerHook(copy.deepcopy(self.method, memo))  # the copy's tuner, made in the same deep copy
-
-
-class _InterruptGuard:
-    """The decoder backbone's forward, which ends UBMoE's forward when a KeyboardInterrupt leaves it.
-
-    The forward lock (`ModeState`) is released by an always-called forward hook, which PyTorch skips on a
-    KeyboardInterrupt. The per-call hooks of the PeftModel and the library's own calls catch it, but a call of the
-    transformers model inside (``model.get_base_model()(...)`` or its ``generate``) passes none of them: the lock stayed
-    with the interrupted thread, and every other thread's forward waited until that thread ran another. PyTorch has no
-    hook that sees a KeyboardInterrupt, so the backbone's forward itself is wrapped (an instance attribute, as
-    accelerate's hooks are); it finds the UBMoE models by their pre-hooks on the backbone when one is needed."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.previous = module.__dict__.get("forward")  # an accelerate hook's forward, else the class's
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return (self.previous or type(self.module).forward.__get__(self.module))(*args, **kwargs)
-        except Exception:  # the always-called hook ends this forward
-            raise
-        except BaseException:
-            for hook in self.module._forward_pre_hooks.values():
-                if isinstance(getattr(hook, "__self__", None), UBMoEModel):
-                    hook.__self__._ubmoe_state.end_stale_forward()
-            raise
-
-    @property
-    def __signature__(self) -> inspect.Signature:  # the forward's, for code that inspects the backbone's arguments
-        return inspect.signature(self.previous or type(self.module).forward.__get__(self.module))
-
-    def remove(self) -> None:
-        """Put the forward back, unless another wrapper (an accelerate hook added later) has wrapped this one."""
-        if self.module.__dict__.get("forward") is self:
-            if self.previous is None:
-                del self.module.__dict__["forward"]
-            else:
-                self.module.forward = self.previous
 
 
 class UBMoEModel(BaseTuner):
@@ -416,8 +377,6 @@ class UBMoEModel(BaseTuner):
         # Bound methods: a deep copy of the backbone holds the layers, whose mode state it copies too
         self._ubmoe_hooks.append(backbone.register_forward_pre_hook(self._before_backbone, with_kwargs=True))
         self._ubmoe_hooks.append(backbone.register_forward_hook(self._after_backbone, always_call=True))
-        if not isinstance(backbone.__dict__.get("forward"), _InterruptGuard):
-            backbone.forward = _InterruptGuard(backbone)
         if self.model is not backbone and getattr(self.model, "can_generate", lambda: False)():  # a causal LM
             self._ubmoe_hooks.append(self.model.register_forward_pre_hook(self._before_lm, with_kwargs=True))
         layers = decoder_layers(self.model)
@@ -452,9 +411,6 @@ class UBMoEModel(BaseTuner):
         for handle in self._ubmoe_hooks:
             handle.remove()
         self._ubmoe_hooks.clear()
-        backbone = getattr(self.model, "base_model", self.model)
-        if every_tuner and isinstance(backbone.__dict__.get("forward"), _InterruptGuard):
-            backbone.__dict__["forward"].remove()
         for module in self.model.modules():
             for hooks in (module._forward_pre_hooks, module._forward_hooks):
                 for key in [k for k, h in hooks.items() if ours(h)]:
