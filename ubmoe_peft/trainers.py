@@ -29,7 +29,7 @@ from torch import nn
 from ._extras import require
 
 # ruff: noqa: E402 (the imports below need the optional extra, named first)
-require("The UBMoE trainers (ContrastiveTrainer, RouterTrainer)", "train", "sentence_transformers", "trl", "datasets")
+require("the UBMoE trainers (ContrastiveTrainer, RouterTrainer)", "train", "sentence_transformers", "trl", "datasets")
 
 from datasets import Dataset
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
@@ -135,16 +135,17 @@ def _require_ubmoe(model: Any, trainer: str) -> None:
 
 
 def _drop_repeated_input_grad_hooks(model: nn.Module) -> None:
-    """Keep one of transformers' ``make_inputs_require_grads`` hooks on the input embedding. Gradient checkpointing
+    """Keep one of transformers' ``make_inputs_require_grads`` hooks per input embedding. Gradient checkpointing
     adds one at every ``train()`` and none is ever removed; sentence-transformers enables it on every submodule that
     has it (PeftModel, tuner, causal LM, backbone): a model trained by stage 1 and stage 2 in turn gained 5 hooks per
     round, each called by every later forward and decode step. Only its name tells the hook apart."""
-    embeddings = model.get_input_embeddings()
-    hooks = [key for key, hook in embeddings._forward_hooks.items() if hook.__name__ == "make_inputs_require_grads"]
-    for key in hooks[1:]:
-        del embeddings._forward_hooks[key]
-        embeddings._forward_hooks_with_kwargs.pop(key, None)
-        embeddings._forward_hooks_always_called.pop(key, None)
+    for module in model.modules():  # each sub-model's input embeddings (a multimodal model's vision tower too)
+        hooks = module._forward_hooks
+        named = [key for key, hook in hooks.items() if getattr(hook, "__name__", None) == "make_inputs_require_grads"]
+        for key in named[1:]:
+            del hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
 
 
 def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:

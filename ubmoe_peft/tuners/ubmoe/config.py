@@ -115,8 +115,6 @@ class UBMoEConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.peft_type is not None:  # passed in: a saved config's dict (PEFT's generic loaders build it so)
-            self._from_file = True
         self.peft_type = UBMOE_PEFT_TYPE
         for name in ("r", "top_k", "attention_r", "lora_alpha", "lora_dropout"):  # NumPy's numbers, as Python's
             setattr(self, name, _plain_number(getattr(self, name)))
