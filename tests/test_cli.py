@@ -1105,3 +1105,16 @@ except ImportError as err:
     result = _without("", old)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "sentence-transformers>=6.0 (5.4.1 is installed) is needed for sts_spearman. " + fix
+
+
+def test_a_folder_that_shadows_a_missing_package_is_not_taken_for_it(tmp_path, monkeypatch):
+    """A bare folder with a package's import name (a local `datasets/` of data files, no __init__.py) imports as a
+    namespace package: `require` took it for the installed package, and the feature failed later on a missing name."""
+    from ubmoe_peft._extras import MissingPackageError, require
+
+    (tmp_path / "datasets_like").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    message = f"datasets_like (not installed; the folder {tmp_path / 'datasets_like'} has its import name"
+    with pytest.raises(MissingPackageError, match=re.escape(message)):
+        require("loading rows", "train", "datasets_like")
+    require("loading rows", "train", "json")  # a real module passes

@@ -895,8 +895,9 @@ def test_a_next_token_forward_training_in_mode_bi_is_warned_about_once(tokenizer
         assert not [w for w in caught if "trains in mode 'bi'" in str(w.message)]
         for _ in range(2):
             model(input_ids=ids, attention_mask=mask)  # as DPO's policy forward
-    warned = [str(w.message) for w in caught if "trains in mode 'bi'" in str(w.message)]
-    assert len(warned) == 1 and "ubmoe_peft.set_stage(model, 'router') first" in warned[0]
+    warned = [w for w in caught if "trains in mode 'bi'" in str(w.message)]
+    assert len(warned) == 1 and "ubmoe_peft.set_stage(model, 'router') first" in str(warned[0].message)
+    assert warned[0].filename == __file__  # the caller's line, not torch's hook-calling code
     ubmoe_peft.set_stage(model, "router")
     with pytest.raises(RuntimeError, match=r"train the routers through generation.*set_stage\(model, .router.\)"):
         with ubmoe_peft.use_mode(model, "bi"):

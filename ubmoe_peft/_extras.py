@@ -34,8 +34,13 @@ def require(feature: str, extra: str, *modules: str) -> None:
     problems = []
     for module in modules:
         name = _PIP_NAMES.get(module, module)
-        if importlib.util.find_spec(module) is None:
+        spec = importlib.util.find_spec(module)
+        if spec is None:
             problems.append(f"{name} (not installed)")
+            continue
+        if spec.origin is None and spec.submodule_search_locations:  # a namespace package: none of ours is one
+            folders = ", ".join(spec.submodule_search_locations)
+            problems.append(f"{name} (not installed; the folder {folders} has its import name and is imported instead)")
             continue
         wanted = minimums.get(name)
         try:

@@ -24,7 +24,8 @@ What carries over exactly and what does not:
   dtypes differ.
 - Near twins are not exported: their MoE model differs outside the FFN (OLMo 3 / CWM: sliding-window layers the twin
   lacks; Ministral 3: position-dependent query scaling; SmolLM3: NoPE layers; GLM: interleaved rope; GLM-4: extra
-  norms; Hunyuan-MoE: an always-on full-width shared expert) or in the top-2 weights (sigmoid routers: GLM-4-MoE, LFM2-MoE, Solar-Open).
+  norms; Hunyuan-MoE: an always-on full-width shared expert) or in the top-2 weights (sigmoid routers: GLM-4-MoE,
+  LFM2-MoE, Solar-Open).
 """
 
 from __future__ import annotations

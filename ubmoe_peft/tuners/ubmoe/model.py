@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -94,6 +95,19 @@ class _TunerHook:
         if id(tuner) not in memo and id(tuner.model) not in memo:  # one module copied alone
             return self
         return _TunerHook(copy.deepcopy(self.method, memo))  # the copy's tuner, made in the same deep copy
+
+
+# Packages whose frames a warning skips, to point at the user's line (a trainer's `train()`, a forward call) rather
+# than at torch's hook-calling code. `warnings.warn(skip_file_prefixes=...)` does this from Python 3.12 on only.
+_LIBRARIES = frozenset({"torch", "transformers", "peft", "trl", "accelerate", "sentence_transformers", "ubmoe_peft"})
+
+
+def _stacklevel_outside_libraries() -> int:
+    """The `stacklevel` of the first frame, above the caller, that is not code of `_LIBRARIES`."""
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 class UBMoEModel(BaseTuner):
@@ -538,7 +552,7 @@ class UBMoEModel(BaseTuner):
                 "(SFT, DPO, KTO, ORPO, GRPO), call ubmoe_peft.set_stage(model, 'router') first (a ContrastiveTrainer "
                 "leaves the model in stage contrastive). If a next-token loss in mode bi is meant (masked next-token "
                 "training), ignore this warning.",
-                stacklevel=2,
+                stacklevel=_stacklevel_outside_libraries(),
             )
 
     def _attention_not_causal(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
