@@ -10,10 +10,21 @@ import warnings
 
 import pytest
 import torch
-from conftest import ARCH_ATTNS, ARCHS, ATTNS, EXPERTS, batch, perturb_adapters, tiny_model, w
+from conftest import (
+    ARCH_ATTNS,
+    ARCHS,
+    ATTNS,
+    EXPERTS,
+    NO_SDPA,
+    batch,
+    config_of,
+    perturb_adapters,
+    tiny_model,
+    w,
+)
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, UBMoELayer
@@ -140,6 +151,63 @@ def test_only_mode_bi_sees_later_tokens(arch, attn, mode, padding):
         assert first_changes == 0
     # the padded row did not change at all: no real token looks at another row or (in bi) at pads' values
     assert torch.equal(h1[0][mask[0].bool()], h2[0][mask[0].bool()])
+
+
+# Flex attention compiles (torch inductor) for each kind of mask (causal or not, windowed, padded) and input shape.
+FLEX_CASES = [(arch, None) for arch in ARCHS] + [("mistral", 4), ("gemma2", 4)]  # windows shorter than the text
+
+
+def _flex_and_reference(arch: str, window: int | None = None, **kwargs) -> list[PeftModel]:
+    """The same wrapped tiny model (adapters perturbed alike) on flex attention and on sdpa (Gemma2: eager)."""
+    models = []
+    for attn in ("flex_attention", "eager" if arch in NO_SDPA else "sdpa"):
+        torch.manual_seed(0)
+        config = config_of(arch)
+        if window is not None:
+            config.sliding_window = window
+        config._attn_implementation = attn
+        model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig(**kwargs)).eval()
+        perturb_adapters(model, std=0.1)
+        models.append(model)
+    return models
+
+
+def hidden(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+
+
+@pytest.fixture
+def flex_compiles():
+    """Dynamo compiles flex attention once per kind of mask (causal or not, windowed, padded) and shape, for the whole
+    process, and past its recompile limit (8) runs flex attention's unfused reference path: every case here runs the
+    compiled kernel (those of one kind are shared across architectures)."""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
+
+
+@pytest.mark.parametrize(("arch", "window"), FLEX_CASES)
+@pytest.mark.usefixtures("flex_compiles")
+def test_flex_attention_runs_every_mode_as_sdpa_does(arch, window):
+    """Flex attention gets a BlockMask, which transformers builds bidirectional (padding only) from mode bi's
+    is_causal=False as it builds sdpa's tensor mask, sliding windows too, and which the mode-bi check reads. Every
+    mode equals the sdpa model (Gemma2: eager, soft-capped), the mode-bi attention adapter included, with and
+    without padding, and only mode bi sees later tokens."""
+    flex, reference = _flex_and_reference(arch, window, attention_r=4)
+    for padding in (None, "left", "right"):
+        ids, mask = batch(padding=padding)
+        changed = ids.clone()
+        changed[1:, -1] = (changed[1:, -1] + 1 - 3) % (128 - 3) + 3  # last real token of the unpadded rows
+        real = mask.bool()
+        for mode in MODES:
+            with ubmoe_peft.use_mode(flex, mode), ubmoe_peft.use_mode(reference, mode):
+                h1, h2, expected = hidden(flex, ids, mask), hidden(flex, changed, mask), hidden(reference, ids, mask)
+            torch.testing.assert_close(h1[real], expected[real], rtol=1e-4, atol=1e-5)
+            first_changes = (h1[1:, 0] - h2[1:, 0]).abs().max()  # (first token of rows 1..)
+            if mode == "bi":
+                assert first_changes > 1e-4
+            else:
+                assert first_changes == 0
 
 
 @pytest.mark.parametrize("attn", ATTNS)
@@ -1599,6 +1667,16 @@ def test_generate_refuses_in_mode_bi():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="mode 'bi'"):
         model.base_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+    # continuous batching's loop only logged the forward's refusal: the request came back empty, without an error
+    config = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for call in ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager"):
+        message = f"Cannot run {call} \\(continuous batching\\) with a KV cache in mode 'bi'"
+        with pytest.raises(RuntimeError, match=message):
+            getattr(model, call)(**({"inputs": [[5, 6, 7]]} if call == "generate_batch" else {}))
+    with ubmoe_peft.use_mode(model, "moe"):  # the other modes batch as transformers does
+        out = model.generate_batch(inputs=[[5, 6, 7]], generation_config=config, warmup=False)
+        expected = model.generate(input_ids=torch.tensor([[5, 6, 7]]), generation_config=config)[0, 3:]
+    assert list(next(iter(out.values())).generated_tokens) == expected.tolist()
 
 
 @pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
@@ -1614,15 +1692,28 @@ def test_mode_bi_generates_without_a_cache_by_encoding_again(task_type):
     out = model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False
     )
+    # use_cache=False given in a generation config, or set on the model's, counts too (they were refused, naming
+    # use_cache=False as the fix)
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, generation_config=config), out)
+    assert torch.equal(model.generate(ids, config, attention_mask=mask), out)
+    model.generation_config.use_cache = False
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), out)
+    model.generation_config.use_cache = True
+    # transformers caches whenever it generates from embeddings: named as such (the message said to pass use_cache)
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(RuntimeError, match=r"from inputs_embeds in mode 'bi'.*Pass input_ids with use_cache=False"):
+        model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, use_cache=False)
     for step in range(4):  # each token is the argmax of a full mode-bi forward over everything before it
         seen = out[:, : ids.shape[1] + step]
         seen_mask = torch.cat([mask, torch.ones(3, step, dtype=mask.dtype)], dim=1)
         assert torch.equal(logits(model, seen, seen_mask)[:, -1].argmax(-1), out[:, ids.shape[1] + step])
 
 
-@pytest.mark.parametrize("attn", ATTNS)
+@pytest.mark.parametrize("attn", [*ATTNS, "flex_attention"])
 def test_a_transformers_release_that_ignores_is_causal_is_caught(attn):
-    """Simulate the failure seen in peer projects: the backbone silently drops `is_causal=False`."""
+    """Simulate the failure seen in peer projects: the backbone silently drops `is_causal=False` (flex attention
+    then gets a causal BlockMask)."""
     model, _ = wrap("llama", "lora", attn)
     ubmoe_peft.set_mode(model, "bi")
     backbone = model.base_model.model.model

@@ -459,10 +459,74 @@ def test_loading_from_a_file_or_a_missing_local_path_names_the_fix(tmp_path):
 
 
 def test_mode_bi_refuses_an_attention_without_bidirectional_support():
-    model = wrap(tiny(attn="flex_attention"))
+    """An attention function registered under a name of its own gets no mask from transformers (its mask interface
+    has no entry for that name), so whether it attends bidirectionally is the function's affair: refused, naming
+    the implementations that are checked."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("ubmoe_test_attention", sdpa_attention_forward)
+    model = wrap(tiny(attn="ubmoe_test_attention"))
+    logits(model, torch.arange(4).view(1, 4))  # mode moe runs it
     ubmoe_peft.set_mode(model, "bi")
-    with pytest.raises(ValueError, match=r"attn_implementation='flex_attention'.*sdpa"):
+    with pytest.raises(ValueError, match=r"attn_implementation='ubmoe_test_attention'.*'sdpa'.*'flex_attention'"):
         logits(model, torch.arange(4).view(1, 4))
+
+
+def _block_mask(mask_mod, padding: list[int], length: int = 8):
+    """A BlockMask of ``mask_mod`` with ``padding[b]`` pad tokens on the left of row b, in blocks of 2 tokens, as
+    transformers' flex_attention_mask builds one (the padding mask on the keys)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    real = torch.arange(length)[None, :] >= torch.tensor(padding)[:, None]  # (B, T)
+
+    def padded(b, h, q, k):
+        return mask_mod(b, h, q, k) & real[b, k]
+
+    return create_block_mask(padded, B=len(padding), H=None, Q_LEN=length, KV_LEN=length, device="cpu", BLOCK_SIZE=2)
+
+
+MASK_MODS = {
+    "causal": lambda b, h, q, k: k <= q,
+    "sliding causal": lambda b, h, q, k: (k <= q) & (k > q - 3),
+    "bidirectional": lambda b, h, q, k: q >= 0,
+    "sliding bidirectional": lambda b, h, q, k: (k - q).abs() <= 3,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "padding", "bidirectional"),
+    [
+        ("causal", [0], False),
+        ("causal", [3, 0], False),  # caught in the unpadded row
+        ("sliding causal", [1, 0], False),
+        ("bidirectional", [0], True),
+        ("bidirectional", [3, 0, 7, 8], True),  # rows of one real token and of none have nothing to check
+        ("sliding bidirectional", [0, 1], True),
+    ],
+)
+def test_the_mode_bi_check_reads_a_block_mask_as_flex_attention_does(kind, padding, bidirectional):
+    """Flex attention's BlockMask is read only at the pairs the check needs (each token with itself for the real
+    tokens, then each row's first real token with its second), never expanded to (B, Q, K)."""
+    from ubmoe_peft.tuners.ubmoe.state import first_real_sees_second
+
+    assert first_real_sees_second(_block_mask(MASK_MODS[kind], padding)) is bidirectional
+
+
+def test_the_mode_bi_check_needs_both_the_mask_mod_and_the_block_lists_of_a_block_mask():
+    """A pair counts as attended only where the mask_mod allows it and the block lists hold its block: flex
+    attention's compiled kernel visits listed blocks only (and skips the mask_mod in full ones), its reference path
+    applies the mask_mod everywhere. With one pad token the first two real tokens fall into two blocks."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from ubmoe_peft.tuners.ubmoe.state import first_real_sees_second
+
+    causal, both = (_block_mask(MASK_MODS[kind], [1]) for kind in ("causal", "bidirectional"))
+    assert first_real_sees_second(both) and not first_real_sees_second(causal)
+    for blocks, mask_mod in ((causal, both.mask_mod), (both, causal.mask_mod)):
+        lists = (blocks.kv_num_blocks, blocks.kv_indices, blocks.full_kv_num_blocks, blocks.full_kv_indices)
+        mixed = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=2, mask_mod=mask_mod, seq_lengths=(8, 8))
+        assert not first_real_sees_second(mixed)
 
 
 def test_failed_wrap_leaves_the_model_wrappable():

@@ -47,14 +47,16 @@ from .lora import column_major
 from .state import (
     ModeState,
     allowed_pairs,
+    first_real_sees_second,
     forget_parts,
     no_adapter_error,
     recompute_in_forward_mode,
     superseded_error,
 )
 
-# Attention implementations that honour `is_causal=False` (the mask, or the kernel's own flag) in transformers >= 5.2.
-BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+# Attention implementations that honour `is_causal=False` in transformers >= 5.2: through the mask they are given (a
+# tensor, flex attention's BlockMask), or the kernel's own flag (flash).
+BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 _LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
@@ -108,6 +110,23 @@ def _stacklevel_outside_libraries() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 1
+
+
+def kv_cache_in_mode_bi(what: str, from_embeds: bool = False) -> RuntimeError:
+    """The refusal of a KV cache in mode bi; ``what`` completes "Cannot ... a KV cache"."""
+    reason = "a bidirectional model's earlier states change with every new token"
+    if from_embeds:  # transformers turns the cache on for a decoder generating from embeddings, whatever use_cache says
+        return RuntimeError(
+            f"Cannot generate from inputs_embeds in mode 'bi': transformers always uses a KV cache to generate from "
+            f"embeddings, and {reason}. Pass input_ids with use_cache=False (each step encodes the whole text "
+            "again), or generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe'))."
+        )
+    return RuntimeError(
+        f"Cannot {what} a KV cache in mode 'bi': {reason}. Generate in mode 'moe' (ubmoe_peft.set_mode(model, "
+        "'moe'); to train the routers through generation, as TRL's GRPO does, ubmoe_peft.set_stage(model, 'router')), "
+        "or call generate with use_cache=False to have the bidirectional model generate by encoding the whole text "
+        "again at every step (slow; how a bidirectional model's own generation is measured)."
+    )
 
 
 class UBMoEModel(BaseTuner):
@@ -511,13 +530,7 @@ class UBMoEModel(BaseTuner):
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
             # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
             # its first step, whichever wrapper's `generate` was called.
-            raise RuntimeError(
-                "Cannot generate with (or use) a KV cache in mode 'bi': each new token would change every earlier "
-                "hidden state. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe'); to train the routers "
-                "through generation, as TRL's GRPO does, ubmoe_peft.set_stage(model, 'router')), or pass "
-                "use_cache=False to have the bidirectional model generate by encoding the whole text again at every "
-                "step."
-            )
+            raise kv_cache_in_mode_bi("generate with (or use)", from_embeds=kwargs.get("inputs_embeds") is not None)
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
             allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
             queries, keys = mask.shape[-2:]
@@ -574,20 +587,8 @@ class UBMoEModel(BaseTuner):
             if kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False:
                 raise _causal_error(self.model, self._attn_implementation(), module)
             return
-        if mask.dim() != 4 or mask.shape[-2] < 2:
-            return
-        allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
-        # Real tokens: the keys some query attends to, read from this mask itself. (The model's last attention_mask
-        # is another batch's when gradient checkpointing recomputes an earlier forward of the step.) A batch's
-        # longest row has no padding, so a causal mask is caught in that row whatever its padding rows show.
-        real = allowed[:, 0].any(dim=-2)  # (B, K)
-        # In every row with two or more real tokens, the first real token must see the second one.
-        first = real.int().argmax(dim=1)  # (B,)
-        after_first = real & (torch.arange(real.shape[1], device=real.device) > first.unsqueeze(1))  # (B, K)
-        second = after_first.int().argmax(dim=1)  # (B,)
-        rows = torch.arange(real.shape[0], device=real.device)  # (B,)
-        sees = allowed[rows, 0, first, second]  # (B,)
-        if bool((after_first.any(dim=1) & ~sees).any()):
+        # A tensor mask (eager, sdpa) or flex attention's BlockMask, whose mask_mod and block lists are read
+        if not first_real_sees_second(mask):
             raise _causal_error(self.model, self._attn_implementation(), module)
 
     # ---- forward, generation, unload ----------------------------------------------------------------------------
@@ -614,17 +615,35 @@ class UBMoEModel(BaseTuner):
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         with self._enable_peft_forward_hooks(**kwargs):  # the same per-call checks as a forward
-            with self._ubmoe_state.forward_lock:  # not mid-way through another thread's embedding call (mode bi)
-                bidirectional = not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
-            if bidirectional and kwargs.get("use_cache") is not False:
-                raise RuntimeError(
-                    "Cannot generate with a KV cache in mode 'bi': a bidirectional model's earlier states change with "
-                    "every new token. Generate in mode 'moe' (ubmoe_peft.set_mode(model, 'moe'); to train the "
-                    "routers through generation, ubmoe_peft.set_stage(model, 'router')), or pass use_cache=False to "
-                    "have the bidirectional model generate by encoding the whole text again at every step (slow; how "
-                    "a bidirectional model's own generation is measured)."
-                )
+            if self._in_mode_bi():
+                if kwargs.get("inputs_embeds") is not None and kwargs.get("input_ids") is None:
+                    raise kv_cache_in_mode_bi("generate with", from_embeds=True)
+                config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+                config = config if config is not None else self.model.generation_config
+                if kwargs.get("use_cache", config.use_cache) is not False:  # what transformers' generate will use
+                    raise kv_cache_in_mode_bi("generate with")
             return self.model.generate(*args, **kwargs)
+
+    # Continuous batching (transformers' paged cache) caches keys and values, and its generation loop only logs an
+    # error raised by a forward: a request in mode bi came back empty, without an exception. Refused up front instead.
+    def init_continuous_batching(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_mode_bi():
+            raise kv_cache_in_mode_bi("run init_continuous_batching (continuous batching) with")
+        return self.model.init_continuous_batching(*args, **kwargs)
+
+    def generate_batch(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_mode_bi():
+            raise kv_cache_in_mode_bi("run generate_batch (continuous batching) with")
+        return self.model.generate_batch(*args, **kwargs)
+
+    def continuous_batching_context_manager(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_mode_bi():
+            raise kv_cache_in_mode_bi("run continuous_batching_context_manager (continuous batching) with")
+        return self.model.continuous_batching_context_manager(*args, **kwargs)
+
+    def _in_mode_bi(self) -> bool:
+        with self._ubmoe_state.forward_lock:  # not mid-way through another thread's embedding call (mode bi)
+            return not self._ubmoe_state.spec.causal and self._ubmoe_state.adapters_enabled
 
     def merge_and_unload(
         self,

@@ -34,6 +34,52 @@ def allowed_pairs(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
+def block_mask_allows(mask: Any, rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Whether flex attention under the BlockMask ``mask`` lets each query attend to its key (head 0), for index
+    tensors of shape (N,). Only where both parts of the mask agree: its ``mask_mod`` (which flex's reference path
+    applies everywhere) and its block lists (the compiled kernel visits listed blocks only, and skips ``mask_mod`` in
+    those listed as full); ``create_block_mask`` makes them agree, so this is what flex attention computes."""
+    size_q, size_k = mask.BLOCK_SIZE
+    listed = mask.to_dense()  # (B|1, H|1, Qb, Kb): blocks listed as partial or full
+    listed = listed[rows % listed.shape[0], 0, queries // size_q, keys // size_k] > 0  # (N,)
+    # one pair per mask_mod call, as flex attention calls it (transformers' mask functions index 2D padding masks)
+    allowed = torch.vmap(mask.mask_mod)(rows, torch.zeros_like(rows), queries, keys)  # (N,)
+    return listed & allowed.to(listed.device)  # (N,)
+
+
+def first_real_sees_second(mask: Any) -> bool:
+    """Whether, in every row with two or more real tokens, the first real token may attend to the second, under a 4D
+    attention mask (bool, or additive float) or flex attention's BlockMask; True where there is nothing to check (a
+    2D mask, a single query). A causal mask fails it in a batch's longest row, which has no padding."""
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() != 4 or mask.shape[-2] < 2:
+            return True
+        allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
+        # Real tokens: the keys some query attends to, read from this mask itself. (The model's last attention_mask
+        # is another batch's when gradient checkpointing recomputes an earlier forward of the step.)
+        real = allowed[:, 0].any(dim=-2)  # (B, K)
+
+        def sees(rows: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+            return allowed[rows, 0, queries, keys]  # (N,)
+
+    else:  # a BlockMask: read at the few pairs needed, never expanded to (B, Q, K)
+        length = min(mask.seq_lengths)
+        if length < 2:
+            return True
+        device = mask.kv_num_blocks.device
+        sees = functools.partial(block_mask_allows, mask)
+        index = torch.arange(length, device=device)  # (T,)
+        grid = torch.cartesian_prod(torch.arange(mask.kv_num_blocks.shape[0], device=device), index)  # (B * T, 2)
+        # Real tokens: those that may attend to themselves (a padding key is seen by no query, itself included)
+        real = sees(grid[:, 0], grid[:, 1], grid[:, 1]).view(-1, length)  # (B, T)
+    # In every row with two or more real tokens, the first real token must see the second one.
+    first = real.int().argmax(dim=1)  # (B,)
+    after_first = real & (torch.arange(real.shape[1], device=real.device) > first.unsqueeze(1))  # (B, K)
+    second = after_first.int().argmax(dim=1)  # (B,)
+    rows = torch.arange(real.shape[0], device=real.device)  # (B,)
+    return not bool((after_first.any(dim=1) & ~sees(rows, first, second)).any())
+
+
 def no_adapter_error(mode: str, adapters: list[str]) -> ValueError:
     """Raised in modes bi and moe (and by set_stage) while no UBMoE adapter is active: delete_adapter removed the
     active one, and an adapter added or loaded after that is not made active (as in PEFT)."""
