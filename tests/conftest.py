@@ -101,6 +101,12 @@ def perturb_adapters(model: torch.nn.Module, std: float = 0.5, seed: int = 1) ->
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype) * std)
 
 
+def hidden(model, ids, mask, **kwargs) -> torch.Tensor:
+    """The last layer's hidden states, without gradients."""
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs).hidden_states[-1]
+
+
 def batch(seed: int = 0, b: int = 3, t: int = 9, padding: str | None = "left"):
     """Random ids and an attention mask; the first row is padded (left/right) by 3 tokens when ``padding`` is set."""
     gen = torch.Generator().manual_seed(seed)

@@ -18,13 +18,14 @@ from conftest import (
     NO_SDPA,
     batch,
     config_of,
+    hidden,
     perturb_adapters,
     tiny_model,
     w,
 )
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.utils import PeftType
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 import ubmoe_peft
 from ubmoe_peft import UBMoEConfig, UBMoELayer
@@ -170,11 +171,6 @@ def _flex_and_reference(arch: str, window: int | None = None, **kwargs) -> list[
         perturb_adapters(model, std=0.1)
         models.append(model)
     return models
-
-
-def hidden(model, ids, mask) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
 
 @pytest.fixture
@@ -1394,6 +1390,13 @@ def test_mode_bi_takes_a_bidirectional_4d_mask_and_names_a_causal_one():
         causal = torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min).triu(1)[None, None]  # (1, 1, T, T)
         with pytest.raises(ValueError, match="4D attention_mask passed in .* lets no token see a later one"):
             logits(model, ids, causal.expand(ids.shape[0], 1, -1, -1))
+        # flex attention's BlockMask is used as given too: a causal one is the caller's (it was blamed on transformers)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        length = ids.shape[1]
+        block = create_block_mask(lambda b, h, q, k: k <= q, B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
+        with pytest.raises(ValueError, match="4D attention_mask passed in .* lets no token see a later one"):
+            logits(model, ids, block)
 
 
 # ---- accelerate offloading -----------------------------------------------------------------------------------------
@@ -1673,6 +1676,14 @@ def test_generate_refuses_in_mode_bi():
         message = f"Cannot run {call} \\(continuous batching\\) with a KV cache in mode 'bi'"
         with pytest.raises(RuntimeError, match=message):
             getattr(model, call)(**({"inputs": [[5, 6, 7]]} if call == "generate_batch" else {}))
+    # generate hands cache_implementation="paged" over to continuous batching (through the PeftModel for a causal LM;
+    # a PeftModel without task_type calls the transformers model's generate, whose batching loop logs the refusal)
+    causal_lm = get_peft_model(tiny_model(), UBMoEConfig(task_type="CAUSAL_LM"))
+    ubmoe_peft.set_mode(causal_lm, "bi")
+    with pytest.raises(RuntimeError, match=r"Cannot run generate\(cache_implementation='paged'\)"):
+        causal_lm.generate(input_ids=ids[:1], max_new_tokens=2, cache_implementation="paged", use_cache=False)
+    with pytest.raises(RuntimeError, match=r"Cannot run generate\(cache_implementation='paged'\)"):
+        causal_lm.generate(input_ids=ids[:1], generation_config=GenerationConfig(cache_implementation="paged"))
     with ubmoe_peft.use_mode(model, "moe"):  # the other modes batch as transformers does
         out = model.generate_batch(inputs=[[5, 6, 7]], generation_config=config, warmup=False)
         expected = model.generate(input_ids=torch.tensor([[5, 6, 7]]), generation_config=config)[0, 3:]
@@ -1699,11 +1710,18 @@ def test_mode_bi_generates_without_a_cache_by_encoding_again(task_type):
     assert torch.equal(model.generate(ids, config, attention_mask=mask), out)
     model.generation_config.use_cache = False
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), out)
+    unset = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)  # use_cache None: the model's counts
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, generation_config=unset), out)
     model.generation_config.use_cache = True
     # transformers caches whenever it generates from embeddings: named as such (the message said to pass use_cache)
     embeds = model.get_input_embeddings()(ids)
-    with pytest.raises(RuntimeError, match=r"from inputs_embeds in mode 'bi'.*Pass input_ids with use_cache=False"):
+    named = r"from inputs_embeds in mode 'bi'.*Pass input_ids with use_cache=False"  # by UBMoEModel.generate
+    if task_type is None:  # PEFT's plain PeftModel.generate calls the transformers model's: refused at the forward
+        named = r"KV cache in mode 'bi'.*Generate from input_ids, not inputs_embeds, with use_cache=False"
+    with pytest.raises(RuntimeError, match=named):
         model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, use_cache=False)
+    with pytest.raises(RuntimeError, match=r"KV cache in mode 'bi'.*Generate from input_ids, not inputs_embeds"):
+        model(inputs_embeds=embeds, attention_mask=mask, past_key_values=DynamicCache(config=model.config))
     for step in range(4):  # each token is the argmax of a full mode-bi forward over everything before it
         seen = out[:, : ids.shape[1] + step]
         seen_mask = torch.cat([mask, torch.ones(3, step, dtype=mask.dtype)], dim=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCH_ATTNS, CONFIGS, EXPERTS, batch, config_of, perturb_adapters, tiny_model
+from conftest import ARCH_ATTNS, CONFIGS, EXPERTS, batch, config_of, hidden, perturb_adapters, tiny_model
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -17,11 +17,6 @@ def wrapped(arch="llama", expert="lora", attn=None):
     model = get_peft_model(tiny_model(arch, attn), UBMoEConfig(expert_type=expert)).eval()
     perturb_adapters(model)
     return model
-
-
-def hidden(model, ids, mask, **kwargs):
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=mask, output_hidden_states=True, **kwargs).hidden_states[-1]
 
 
 def state(model):

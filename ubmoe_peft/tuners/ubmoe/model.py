@@ -15,6 +15,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTuner, _filter_state_dict_by_key_prefixes, _get_tuner_state_dict_key_prefixes
 from peft.utils.other import AuxiliaryTrainingWrapper
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import PreTrainedConfig
 
 from ...architectures import (
@@ -112,8 +113,8 @@ def _stacklevel_outside_libraries() -> int:
     return level if frame is not None else 1
 
 
-def kv_cache_in_mode_bi(what: str, from_embeds: bool = False) -> RuntimeError:
-    """The refusal of a KV cache in mode bi; ``what`` completes "Cannot ... a KV cache"."""
+def kv_cache_in_mode_bi(what: str, from_embeds: bool = False, note: str = "") -> RuntimeError:
+    """The refusal of a KV cache in mode bi; ``what`` completes "Cannot ... a KV cache", ``note`` ends it."""
     reason = "a bidirectional model's earlier states change with every new token"
     if from_embeds:  # transformers turns the cache on for a decoder generating from embeddings, whatever use_cache says
         return RuntimeError(
@@ -125,7 +126,7 @@ def kv_cache_in_mode_bi(what: str, from_embeds: bool = False) -> RuntimeError:
         f"Cannot {what} a KV cache in mode 'bi': {reason}. Generate in mode 'moe' (ubmoe_peft.set_mode(model, "
         "'moe'); to train the routers through generation, as TRL's GRPO does, ubmoe_peft.set_stage(model, 'router')), "
         "or call generate with use_cache=False to have the bidirectional model generate by encoding the whole text "
-        "again at every step (slow; how a bidirectional model's own generation is measured)."
+        "again at every step (slow; how a bidirectional model's own generation is measured)." + note
     )
 
 
@@ -486,7 +487,8 @@ class UBMoEModel(BaseTuner):
         # all slide); none was read, so padding counted as real tokens
         counted = mask.get("full_attention", mask.get("sliding_attention")) if isinstance(mask, dict) else mask
         state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
-        state.user_mask_4d = isinstance(mask, torch.Tensor) and mask.dim() == 4
+        # a 4D tensor or a flex BlockMask: transformers uses it as given
+        state.user_mask_4d = isinstance(mask, BlockMask) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
         if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
             del cache._ubmoe_filled_in  # emptied (`cache.reset()`, transformers' way to reuse a static cache)
         filled_in = getattr(cache, "_ubmoe_filled_in", None)
@@ -530,12 +532,23 @@ class UBMoEModel(BaseTuner):
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
             # `generate` always passes a cache object; a plain forward does not. Refusing here stops generation at
             # its first step, whichever wrapper's `generate` was called.
-            raise kv_cache_in_mode_bi("generate with (or use)", from_embeds=kwargs.get("inputs_embeds") is not None)
+            embeds = kwargs.get("inputs_embeds") is not None  # generate caches from embeddings, whatever use_cache says
+            raise kv_cache_in_mode_bi(
+                "generate with (or use)",
+                note=" Generate from input_ids, not inputs_embeds, with "
+                "use_cache=False: transformers caches whenever it generates from embeddings."
+                if embeds
+                else "",
+            )
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
-            allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
-            queries, keys = mask.shape[-2:]
-            later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)  # (Q, K)
-            if not bool((allowed & later).any()):
+            if isinstance(mask, BlockMask):
+                sees_later = first_real_sees_second(mask)
+            else:
+                allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
+                queries, keys = mask.shape[-2:]
+                later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)
+                sees_later = bool((allowed & later).any())  # (Q, K) above: the pairs of a key after its query
+            if not sees_later:
                 raise ValueError(
                     f"Mode 'bi' attends bidirectionally, but the 4D attention_mask passed in ({tuple(mask.shape)}) "
                     "lets no token see a later one (a causal or block-causal mask). Pass the 2D padding mask "
@@ -619,8 +632,10 @@ class UBMoEModel(BaseTuner):
                 if kwargs.get("inputs_embeds") is not None and kwargs.get("input_ids") is None:
                     raise kv_cache_in_mode_bi("generate with", from_embeds=True)
                 config = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-                config = config if config is not None else self.model.generation_config
-                if kwargs.get("use_cache", config.use_cache) is not False:  # what transformers' generate will use
+                if self._generation_setting("cache_implementation", kwargs, config) == "paged":
+                    # generate hands over to continuous batching, whose loop only logs a forward's error
+                    raise kv_cache_in_mode_bi("run generate(cache_implementation='paged') (continuous batching) with")
+                if self._generation_setting("use_cache", kwargs, config) is not False:
                     raise kv_cache_in_mode_bi("generate with")
             return self.model.generate(*args, **kwargs)
 
@@ -640,6 +655,16 @@ class UBMoEModel(BaseTuner):
         if self._in_mode_bi():
             raise kv_cache_in_mode_bi("run continuous_batching_context_manager (continuous batching) with")
         return self.model.continuous_batching_context_manager(*args, **kwargs)
+
+    def _generation_setting(self, name: str, kwargs: dict, config: Any) -> Any:
+        """The value transformers' generate uses: the keyword (even None), else the config passed, else the model's
+        generation config, where None is unset (transformers fills them so); use_cache then defaults to True."""
+        if name in kwargs:
+            return kwargs[name]
+        for source in (vars(config) if config is not None else {}, vars(self.model.generation_config)):
+            if source.get(name) is not None:
+                return source[name]
+        return True if name == "use_cache" else None
 
     def _in_mode_bi(self) -> bool:
         with self._ubmoe_state.forward_lock:  # not mid-way through another thread's embedding call (mode bi)
