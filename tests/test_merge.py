@@ -343,8 +343,9 @@ def test_export_warns_when_the_routers_compute_in_another_dtype_than_the_export(
     config = UBMoEConfig(router_dtype=router_dtype)
     model = get_peft_model(tiny_model("llama", dtype=getattr(torch, model_dtype)), config).eval()
     perturb_adapters(model)
-    with pytest.warns(UserWarning, match=rf"routers compute in torch.{router_dtype} .*dtype, torch.{model_dtype}"):
+    with pytest.warns(UserWarning, match=rf"routers compute in torch.{router_dtype} .*dtype, torch.{model_dtype}") as w:
         model.merge_and_unload()
+    assert w[0].filename == __file__  # pointed at the caller of merge_and_unload
     same = get_peft_model(tiny_model("llama", dtype=getattr(torch, model_dtype)), UBMoEConfig(router_dtype=model_dtype))
     perturb_adapters(same)
     with warnings.catch_warnings():

@@ -189,8 +189,59 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
     """The transformers MoE model equal to ``model`` (a causal LM holding UBMoE layers) in mode moe."""
     from transformers import AutoModelForCausalLM
 
-    from .tuners.ubmoe.bnb import is_quantized_linear
     from .tuners.ubmoe.layer import UBMoELayer
+
+    config = model.config
+    target = _export_target(model)
+    twin = MOE_TWINS[target]
+    layers = decoder_layers(model)
+    ffns = {i: getattr(layer, "mlp", None) for i, (_, layer) in enumerate(layers)}
+    wrapped = {i: f for i, f in ffns.items() if isinstance(f, UBMoELayer) and adapter in f.ubmoe_router}
+    if not wrapped:
+        raise ValueError(f"Cannot export: no decoder layer's 'mlp' holds a UBMoE FFN of adapter {adapter!r}.")
+    top_k = next(iter(wrapped.values())).top_k[adapter]  # one adapter, one config
+    dense = [i for i in ffns if i not in wrapped]
+    state = _ffn_state(layers, ffns, wrapped, adapter, twin, top_k, check_finite)
+
+    wrappers = {n: m for n, m in model.named_modules() if hasattr(m, "unload_and_optionally_merge_module")}
+    for key, value in model.state_dict().items():  # attention, norms, embeddings, head: same names in both
+        if ".mlp." not in key and not any(key.startswith(f"{name}.") for name in wrappers):
+            state[key] = value
+    for name, wrapper in wrappers.items():  # PEFT's modules_to_save: the trained module, as PEFT's unload gives it
+        module = saved_module(wrapper, adapter)
+        state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
+
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
+    device = next(model.parameters()).device
+    _warn_on_router_dtypes(wrapped, adapter, dtype, twin)
+    moe_config = _config(config, target, top_k, dense)
+    head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if (
+        moe_config.tie_word_embeddings
+        and head is not None
+        and embedding is not None
+        and not torch.equal(head, embedding)
+    ):
+        # A trained modules_to_save copy of the head or the embeddings unties them in the adapted model; a tied
+        # export would load one of the two tensors into both and silently differ from mode moe.
+        moe_config.tie_word_embeddings = False
+    with torch.device(device):
+        exported = AutoModelForCausalLM.from_config(
+            moe_config, dtype=dtype, attn_implementation=config._attn_implementation
+        )
+    zeros = {k: torch.zeros_like(v) for k, v in exported.state_dict().items() if k.endswith(twin.zeros)}
+    exported.load_state_dict(zeros | state, strict=True)
+    if moe_config.tie_word_embeddings:
+        exported.tie_weights()
+    exported.generation_config = copy.deepcopy(model.generation_config)
+    return exported.eval()
+
+
+def _export_target(model: nn.Module) -> str:
+    """The MoE ``model_type`` that ``model`` exports to; an error naming why where it cannot be exported."""
+    from transformers import AutoModelForCausalLM
+
+    from .tuners.ubmoe.bnb import is_quantized_linear
 
     config = model.config
     quantized = [name for name, module in model.named_modules() if is_quantized_linear(module)]
@@ -216,16 +267,18 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
             "cannot hold. Use target='bi' for the dense embedding model, or keep the adapter separate "
             "(model.save_pretrained)."
         )
-    twin = MOE_TWINS[target]
-    layers = decoder_layers(model)
-    ffns = {i: getattr(layer, "mlp", None) for i, (_, layer) in enumerate(layers)}
-    wrapped = {i: f for i, f in ffns.items() if isinstance(f, UBMoELayer) and adapter in f.ubmoe_router}
-    if not wrapped:
-        raise ValueError(f"Cannot export: no decoder layer's 'mlp' holds a UBMoE FFN of adapter {adapter!r}.")
-    top_k = next(iter(wrapped.values())).top_k[adapter]  # one adapter, one config
-    dense = [i for i in ffns if i not in wrapped]
+    return target
+
+
+def _ffn_state(
+    layers: list, ffns: dict, wrapped: dict, adapter: str, twin: MoETwin, top_k: int, check_finite: bool
+) -> dict[str, torch.Tensor]:
+    """The MoE twin's FFN weights (router, uni and bi experts; a dense FFN where the twin keeps one) of every layer,
+    checked (finiteness, FFN shape) before anything is built."""
+    from .tuners.ubmoe.layer import UBMoELayer
+
     state: dict[str, torch.Tensor] = {}
-    for i, ffn in ffns.items():  # every check (quantization, finiteness, FFN shape) before building anything
+    for i, ffn in ffns.items():
         prefix, block = f"{layers[i][0]}.mlp", f"{layers[i][0]}.{twin.block}"
         base = ffn.base_layer if isinstance(ffn, UBMoELayer) else ffn  # another adapter may wrap this layer
         uni = {name: proj.weight.detach() for name, proj in linear_projections(base).items()}  # (out, in)
@@ -247,52 +300,26 @@ def export_moe(model: nn.Module, adapter: str, check_finite: bool = False) -> nn
                 bi = ffn.bi_weights(adapter, check_finite=check_finite)
         state[f"{block}.{twin.router}.weight"] = router.to(torch.float32 if twin.fp32_router else down.dtype)
         state.update(_experts(uni, {k: v.to(down.dtype) for k, v in bi.items()}, block))
+    return state
 
-    wrappers = {n: m for n, m in model.named_modules() if hasattr(m, "unload_and_optionally_merge_module")}
-    for key, value in model.state_dict().items():  # attention, norms, embeddings, head: same names in both
-        if ".mlp." not in key and not any(key.startswith(f"{name}.") for name in wrappers):
-            state[key] = value
-    for name, wrapper in wrappers.items():  # PEFT's modules_to_save: the trained module, as PEFT's unload gives it
-        module = saved_module(wrapper, adapter)
-        state.update({f"{name}.{key}": value for key, value in module.state_dict().items()})
 
-    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
-    device = next(model.parameters()).device
+def _warn_on_router_dtypes(wrapped: dict, adapter: str, dtype: torch.dtype, twin: MoETwin) -> None:
+    """Warn where the exported gates compute in another dtype than the routers did (a near tie may flip)."""
     gate_dtype = torch.float32 if twin.fp32_router else dtype
     router_dtypes = sorted(
         {str(ffn.ubmoe_router[adapter].weight.dtype) for ffn in wrapped.values()} - {str(gate_dtype)}
     )
-    if router_dtypes:
-        gates, fix = f"the model's dtype, {dtype}", "merge a model whose dtype is the router_dtype"
-        if twin.fp32_router:  # ERNIE 4.5-MoE: fp32 router weight and input in any model dtype
-            gates, fix = "torch.float32", "train the routers in router_dtype='float32' (the default)"
-        warnings.warn(
-            f"The routers compute in {', '.join(router_dtypes)} (UBMoEConfig.router_dtype), but the exported model "
-            f"computes its gates in {gates}: a token whose two router logits lie within rounding of each other may "
-            f"pick the other expert, so the export can differ slightly from mode moe. For an exact export, {fix}.",
-            stacklevel=3,
-        )
-    moe_config = _config(config, target, top_k, dense)
-    head, embedding = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-    if (
-        moe_config.tie_word_embeddings
-        and head is not None
-        and embedding is not None
-        and not torch.equal(head, embedding)
-    ):
-        # A trained modules_to_save copy of the head or the embeddings unties them in the adapted model; a tied
-        # export would load one of the two tensors into both and silently differ from mode moe.
-        moe_config.tie_word_embeddings = False
-    with torch.device(device):
-        exported = AutoModelForCausalLM.from_config(
-            moe_config, dtype=dtype, attn_implementation=config._attn_implementation
-        )
-    zeros = {k: torch.zeros_like(v) for k, v in exported.state_dict().items() if k.endswith(twin.zeros)}
-    exported.load_state_dict(zeros | state, strict=True)
-    if moe_config.tie_word_embeddings:
-        exported.tie_weights()
-    exported.generation_config = copy.deepcopy(model.generation_config)
-    return exported.eval()
+    if not router_dtypes:
+        return
+    gates, fix = f"the model's dtype, {dtype}", "merge a model whose dtype is the router_dtype"
+    if twin.fp32_router:  # ERNIE 4.5-MoE: fp32 router weight and input in any model dtype
+        gates, fix = "torch.float32", "train the routers in router_dtype='float32' (the default)"
+    warnings.warn(
+        f"The routers compute in {', '.join(router_dtypes)} (UBMoEConfig.router_dtype), but the exported model "
+        f"computes its gates in {gates}: a token whose two router logits lie within rounding of each other may "
+        f"pick the other expert, so the export can differ slightly from mode moe. For an exact export, {fix}.",
+        stacklevel=4,  # merge_and_unload's caller
+    )
 
 
 def saved_module(wrapper: nn.Module, adapter: str | None) -> nn.Module:

@@ -307,6 +307,19 @@ def _check_adapter_name(model: nn.Module, adapter_name: str) -> None:
 
 def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "default") -> None:
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
+    _refuse_bidirectional_base(model)
+    saved = _check_signature(model, config)
+    targets = _resolve_targets(model, config)
+    _check_modules_to_save(config, model, targets, adapter_name, saved)
+    _check_adapter_name(model, adapter_name)
+    _refuse_expert_blocks(targets)
+    layers = decoder_layers(model)
+    for name, module in targets.items():
+        _check_target(config, name, module, layers)
+
+
+def _refuse_bidirectional_base(model: nn.Module) -> None:
+    """A base model configured bidirectional (a bi export, an embedding model) would leave no causal mode."""
     base = text_config(model)
     # masking_utils then builds no causal mask at all; Gemma 2/3 read their own flag (EmbeddingGemma's config)
     flag = "is_causal=False" if getattr(base, "is_causal", True) is False else None
@@ -319,15 +332,25 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             "and moe would not be causal either. UBMoE pairs a causal decoder's FFNs with bidirectional twins: wrap "
             "the original causal base model."
         )
+
+
+def _check_signature(model: nn.Module, config: UBMoEConfig) -> bool:
+    """Record the base model's signature in a new config, or check the one a config carries against the model.
+    Returns whether the config comes from an earlier save or wrap (whose entries are then warned about, not refused)."""
     signature = base_signature(model)
-    saved = config.is_saved  # a loaded adapter's config, not a new one
     if config.base_model_signature is None:
+        saved = config.is_saved  # a loaded adapter's config saved before signatures were recorded; read first
         config.base_model_signature = signature
-    else:
-        saved = config.base_model_signature
-        differ = signature_differences(saved, signature)
-        if differ:
-            raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
+        return saved
+    differ = signature_differences(config.base_model_signature, signature)
+    if differ:
+        raise _mismatch(config, model, f"they differ in {', '.join(differ)}.")
+    return True
+
+
+def _resolve_targets(model: nn.Module, config: UBMoEConfig) -> dict[str, nn.Module]:
+    """The FFN modules ``config`` targets (``target_modules`` found per architecture where unset); an error naming
+    what the model has where they match nothing or the attention."""
     if config.target_modules is None:
         config.target_modules = [default_ffn_target(model)]
     decoder = in_decoder(model)
@@ -370,44 +393,45 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
             f"Target module {wrong[0]!r} is the layer's attention, not the FFN: UBMoE wraps the decoder layers' FFNs. "
             f"Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)."
         )
-    _check_modules_to_save(config, model, targets, adapter_name, saved)
-    _check_adapter_name(model, adapter_name)
-    _refuse_expert_blocks(targets)
-    for name, module in targets.items():
-        if isinstance(module, UBMoELayer):
-            module = module.base_layer
-        if isinstance(module, nn.Linear):
-            raise ValueError(
-                f"Target module {name!r} is a single linear layer, but UBMoE wraps a whole FFN (its projections "
-                f"become the experts). Target the FFN module instead, e.g. target_modules=['mlp']."
-            )
-        projections = selected_projections(module, config)
-        if not projections:
-            kinds = sorted({type(m).__name__ for m in module.children()}) or "no submodules"
-            raise ValueError(
-                f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside (it holds {kinds}), so "
-                "UBMoE cannot build experts for it. UBMoE wraps dense FFNs made of nn.Linear projections: GPT-2's "
-                "Conv1D and fused MoE experts are not supported. If this is not the FFN, name the decoder layers' "
-                "FFN module in UBMoEConfig(target_modules=[...])."
-            )
-        _check_ffn_inputs(name, module)
-        if any(p.is_meta for p in module.parameters()):
-            raise ValueError(
-                f"Target module {name!r} has its weights on the meta device: accelerate offloads them (a device_map "
-                "with 'cpu' or 'disk' entries beside a GPU, or disk_offload) or they were never loaded. UBMoE adds its "
-                "experts beside the FFN's weights and cannot follow them out of memory. Load the base with every "
-                "decoder layer in memory (device_map='cpu', one GPU, or a 4-bit base as in docs/qlora.md), wrap it, "
-                "and offload after wrapping if you must (accelerate.cpu_offload)."
-            )
-        if config.attention_r:
-            _check_attention(config, name, layers)
-        if config.expert_type == "lora":
-            for proj_name, proj in projections.items():
-                if config.r > min(proj.in_features, proj.out_features):
-                    raise ValueError(
-                        f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
-                        f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
-                    )
+    return targets
+
+
+def _check_target(config: UBMoEConfig, name: str, module: nn.Module, layers: list[tuple[str, nn.Module]]) -> None:
+    """One targeted FFN can hold experts: a whole FFN of linear projections, in memory, fit for the config's rank."""
+    if isinstance(module, UBMoELayer):
+        module = module.base_layer
+    if isinstance(module, nn.Linear):
+        raise ValueError(
+            f"Target module {name!r} is a single linear layer, but UBMoE wraps a whole FFN (its projections "
+            f"become the experts). Target the FFN module instead, e.g. target_modules=['mlp']."
+        )
+    projections = selected_projections(module, config)
+    if not projections:
+        kinds = sorted({type(m).__name__ for m in module.children()}) or "no submodules"
+        raise ValueError(
+            f"Target module {name!r} ({type(module).__name__}) has no nn.Linear inside (it holds {kinds}), so "
+            "UBMoE cannot build experts for it. UBMoE wraps dense FFNs made of nn.Linear projections: GPT-2's "
+            "Conv1D and fused MoE experts are not supported. If this is not the FFN, name the decoder layers' "
+            "FFN module in UBMoEConfig(target_modules=[...])."
+        )
+    _check_ffn_inputs(name, module)
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            f"Target module {name!r} has its weights on the meta device: accelerate offloads them (a device_map "
+            "with 'cpu' or 'disk' entries beside a GPU, or disk_offload) or they were never loaded. UBMoE adds its "
+            "experts beside the FFN's weights and cannot follow them out of memory. Load the base with every "
+            "decoder layer in memory (device_map='cpu', one GPU, or a 4-bit base as in docs/qlora.md), wrap it, "
+            "and offload after wrapping if you must (accelerate.cpu_offload)."
+        )
+    if config.attention_r:
+        _check_attention(config, name, layers)
+    if config.expert_type == "lora":
+        for proj_name, proj in projections.items():
+            if config.r > min(proj.in_features, proj.out_features):
+                raise ValueError(
+                    f"UBMoEConfig(r={config.r}) is larger than {name}.{proj_name} ({proj.in_features} -> "
+                    f"{proj.out_features}); a LoRA rank must be at most min(in, out). Use a smaller r."
+                )
 
 
 def _check_modules_to_save(
