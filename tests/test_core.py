@@ -206,6 +206,54 @@ def test_flex_attention_runs_every_mode_as_sdpa_does(arch, window):
                 assert first_changes == 0
 
 
+# Windows shorter than the documents: each layer type gets its own per-document mask
+PACKED_CASES = [(arch, attn, None) for arch, attn in ARCH_ATTNS] + [
+    ("mistral", "sdpa", 3),
+    ("gemma2", "eager", 3),
+    ("llama", "flex_attention", None),
+    ("gemma2", "flex_attention", 3),
+]
+
+
+@pytest.mark.parametrize(("arch", "attn", "window"), PACKED_CASES)
+@pytest.mark.usefixtures("flex_compiles")
+def test_a_packed_row_keeps_its_documents_apart_in_every_mode(arch, attn, window):
+    """A packed row (TRL's padding_free and packing: documents side by side, position_ids restarting at 0, no
+    attention_mask). transformers' bidirectional mask ignores the position_ids, so mode bi's documents attended to each
+    other (hidden states off by about 1 on a tiny model), silently. In every mode each document now computes what it
+    computes alone, and mode bi still attends bidirectionally within a document."""
+    torch.manual_seed(0)
+    config = config_of(arch)
+    if window is not None:
+        config.sliding_window = window
+    config._attn_implementation = attn
+    model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig()).eval()
+    perturb_adapters(model, std=0.1)
+    ids, _ = batch(b=1, padding=None)  # (1, 9): document A (5 tokens), then document B (4 tokens)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])  # (1, 9)
+    changed = ids.clone()
+    changed[0, 4] = (changed[0, 4] + 1 - 3) % (128 - 3) + 3  # the last token of document A
+    for mode in MODES:
+        with ubmoe_peft.use_mode(model, mode):
+            packed = hidden(model, ids, None, position_ids=position_ids, use_cache=False)[0]  # (9, C)
+            alone = [hidden(model, ids[:, :5], None, use_cache=False)[0], hidden(model, ids[:, 5:], None)[0]]
+            torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
+            moved = hidden(model, changed, None, position_ids=position_ids, use_cache=False)[0]  # (9, C)
+        assert torch.equal(moved[5:], packed[5:])  # document B never sees document A
+        assert bool((moved[0] - packed[0]).abs().max() > 1e-4) is (mode == "bi")  # A's first token sees its last
+
+
+def test_a_packed_row_in_mode_bi_is_refused_where_a_layer_type_has_no_per_document_mask():
+    """Qwen 3.5's linear-attention layers take a mask of their own: mode bi cannot keep packed documents apart."""
+    model = get_peft_model(tiny_model("qwen3_5_text"), UBMoEConfig()).eval()
+    ids, _ = batch(b=1, padding=None)  # (1, 9)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])  # (1, 9): two documents
+    with ubmoe_peft.use_mode(model, "bi"), pytest.raises(ValueError, match=r"linear_attention.*padding_free=False"):
+        hidden(model, ids, None, position_ids=position_ids, use_cache=False)
+    with ubmoe_peft.use_mode(model, "bi"):
+        hidden(model, ids, None, position_ids=torch.arange(9)[None], use_cache=False)  # one document: fine
+
+
 @pytest.mark.parametrize("attn", ATTNS)
 @pytest.mark.parametrize("padding", ["left", "right"])
 def test_mode_bi_ignores_pad_tokens(attn, padding):

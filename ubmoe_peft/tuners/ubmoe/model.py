@@ -51,6 +51,7 @@ from .state import (
     first_real_sees_second,
     forget_parts,
     no_adapter_error,
+    packed_bidirectional_mask,
     recompute_in_forward_mode,
     superseded_error,
 )
@@ -554,11 +555,30 @@ class UBMoEModel(BaseTuner):
                     "lets no token see a later one (a causal or block-causal mask). Pass the 2D padding mask "
                     "(transformers then builds a bidirectional one), or a 4D mask that lets tokens see later ones."
                 )
+        elif mask is None:  # where transformers looks for packed rows (no mask, no cache)
+            args, kwargs = self._keep_documents_apart(module, args, kwargs)
         kwargs["is_causal"] = False  # transformers >= 5.2 then builds a bidirectional (padding-only) mask
         # No KV cache either: mode bi's keys and values (bidirectional, bi experts) are no prefix for later tokens,
         # and a cache returned here could be passed on to decoding in another mode, which would continue from them.
         kwargs["use_cache"] = False
         return args, kwargs
+
+    def _keep_documents_apart(self, backbone: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Mode bi's inputs with, for packed rows, a mask that keeps each row's documents apart
+        (`packed_bidirectional_mask`); unchanged where no row is packed."""
+        embeds = kwargs.get("inputs_embeds")
+        reference = embeds if embeds is not None else kwargs.get("input_ids", args[0] if args else None)
+        if reference is None:
+            return args, kwargs
+        dtype = embeds.dtype if embeds is not None else backbone.get_input_embeddings().weight.dtype
+        position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+        packed = packed_bidirectional_mask(backbone.config, reference, position_ids, dtype)
+        if packed is None:
+            return args, kwargs
+        self._ubmoe_state.user_mask_4d = True  # bidirectional per document: the check after attention misreads it
+        if len(args) > 1:
+            return (args[0], packed, *args[2:]), kwargs
+        return args, {**kwargs, "attention_mask": packed}
 
     def _before_lm(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Warn (once) when the causal LM's logits train in mode bi: TRL's trainers (DPO, KTO, ORPO, SFT) run after a

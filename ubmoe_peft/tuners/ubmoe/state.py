@@ -80,6 +80,45 @@ def first_real_sees_second(mask: Any) -> bool:
     return not bool((after_first.any(dim=1) & ~sees(rows, first, second)).any())
 
 
+def packed_bidirectional_mask(config: Any, reference: torch.Tensor, position_ids: Any, dtype: torch.dtype) -> Any:
+    """Mode bi's attention mask for packed rows (several documents per row, their position_ids restarting at 0, no
+    attention_mask: TRL's padding_free and packing), in which each document attends bidirectionally to itself alone;
+    None where no row is packed. ``reference``: input_ids (B, T) or inputs_embeds (B, T, C).
+
+    Hand-written because transformers (5.2 to 5.25) hands ``is_causal=False`` on to ``create_bidirectional_mask``
+    without the position_ids, so its bidirectional mask covers padding only and a packed row's documents saw each
+    other (eager, sdpa, flex), while its causal mask keeps them apart. The mask itself is transformers' own, built
+    from the position_ids; models with sliding-window layers get theirs, as transformers builds them."""
+    from transformers.masking_utils import (
+        create_bidirectional_mask,
+        create_bidirectional_sliding_window_mask,
+        find_packed_sequence_indices,
+    )
+
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:  # (B|1, T); 3D: multimodal RoPE
+        return None
+    batch, length = reference.shape[:2]
+    if find_packed_sequence_indices(position_ids.expand(batch, -1)) is None:
+        return None
+    proxy = torch.empty(batch, length, 0, dtype=dtype, device=reference.device)  # (B, T, 0): shape, dtype, device
+    full = create_bidirectional_mask(config, proxy, None, position_ids=position_ids)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not types - {"full_attention"}:
+        if types or getattr(config, "sliding_window", None) is None:
+            return full
+        # no layer types, a window: the whole model slides (Mistral, Phi-3), as transformers' mask for it does
+        return create_bidirectional_sliding_window_mask(config, proxy, None, position_ids=position_ids)
+    if not types <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"Mode 'bi' was given packed rows (position_ids restarting at 0 inside a row, no attention_mask), but "
+            f"this model's layer types {sorted(types)} include ones whose mask it cannot build per document, so the "
+            "documents would attend to each other. Pass one document per row, padded, with a 2D attention_mask "
+            "(padding_free=False and packing=False in TRL)."
+        )
+    sliding = create_bidirectional_sliding_window_mask(config, proxy, None, position_ids=position_ids)
+    return {"full_attention": full, "sliding_attention": sliding}  # one mask per layer type, as generate passes
+
+
 def no_adapter_error(mode: str, adapters: list[str]) -> ValueError:
     """Raised in modes bi and moe (and by set_stage) while no UBMoE adapter is active: delete_adapter removed the
     active one, and an adapter added or loaded after that is not made active (as in PEFT)."""
