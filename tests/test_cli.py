@@ -114,6 +114,14 @@ def test_what_argparse_refuses_is_one_line_and_help_shows_no_internals(capsys):
     )
     run([])
     assert "given" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # transformers' message named its parser and no fix
+        run(["eval-sts", "--max_lenght", "64"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "unrecognized arguments: --max_lenght 64; did you mean --max_length? (" in err  # one spelling
+    with pytest.raises(SystemExit):  # named before the options' own checks (a bad --max_length was named instead)
+        run(["eval-sts", "--max_length", "0", "--foo"])
+    assert "unrecognized arguments: --foo (" in capsys.readouterr().err
 
 
 def test_unknown_command_names_it_and_the_commands(capsys):

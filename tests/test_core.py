@@ -226,6 +226,8 @@ def test_a_packed_row_keeps_its_documents_apart_in_every_mode(arch, attn, window
     config = config_of(arch)
     if window is not None:
         config.sliding_window = window
+    if arch == "mistral" and window is not None:  # kept by MistralConfig, unread by Mistral's code: every layer slides
+        config.layer_types = [("full_attention", "sliding_attention")[i % 2] for i in range(config.num_hidden_layers)]
     config._attn_implementation = attn
     model = get_peft_model(AutoModelForCausalLM.from_config(config), UBMoEConfig()).eval()
     perturb_adapters(model, std=0.1)
@@ -1159,6 +1161,71 @@ def test_use_mode_restores_previous_mode():
         ubmoe_peft.set_mode(model, ["bi"])
     with pytest.raises(ValueError, match=r"Unknown stage \['router'\]"):
         ubmoe_peft.set_stage(model, ["router"])
+    with pytest.raises(ValueError, match="Unknown mode 'BI'"):  # checked at the call: without `with` it passed
+        ubmoe_peft.use_mode(model, "BI")
+
+
+def test_mode_functions_name_an_export_as_a_model_without_modes():
+    """The advice "Wrap it first" was refused for exports: a bi merge is not causal, an MoE export has MoE blocks."""
+    model, _ = wrap()
+    perturb_adapters(model)
+    for target, kind in (("bi", "is_causal=False"), ("moe", "a mixture-of-experts model")):
+        exported = copy.deepcopy(model).merge_and_unload(target=target)
+        with pytest.raises(ValueError, match=rf"no UBMoE layers and modes: .*{kind}.*PeftModel.from_pretrained"):
+            ubmoe_peft.set_mode(exported, "bi")
+
+
+def test_a_target_modules_entry_that_selects_nothing_beside_one_that_does_is_named():
+    """A typo beside a matching entry was silent (a list naming nothing at all is refused)."""
+    with pytest.warns(UserWarning, match=r"\['feed_fwd'\] select no FFN of this model .*children") as w:
+        get_peft_model(tiny_model("llama"), UBMoEConfig(target_modules=["mlp", "feed_fwd"]))
+    assert w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*select no FFN")
+        get_peft_model(tiny_model("llama"), UBMoEConfig(target_modules=["mlp"]))
+
+
+def test_set_stage_warns_where_it_makes_float16_weights_trainable():
+    """The trainers refuse float16 weights (AdamW's update underflows to NaN); any other training loop after
+    set_stage turned an fp16 copy expert NaN in one step, without a word."""
+    model = get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig(expert_type="copy"))
+    with pytest.warns(UserWarning, match=r"set_stage\('contrastive'\) makes \d+ float16 parameters trainable") as w:
+        ubmoe_peft.set_stage(model, "contrastive")
+    assert w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*float16 parameters")
+        ubmoe_peft.set_stage(model, "router")  # fp32 routers
+        ubmoe_peft.set_stage(get_peft_model(tiny_model("llama").to(torch.float16), UBMoEConfig()), "contrastive")
+
+
+def test_autocast_adapter_dtype_false_keeps_lora_weights_in_the_base_dtype(tmp_path):
+    """PEFT's ``autocast_adapter_dtype=False`` (adapter weights in the base's bf16) was ignored: LoRA stayed fp32."""
+    base = tiny_model("llama", dtype=torch.bfloat16)
+    model = get_peft_model(base, UBMoEConfig(attention_r=4), autocast_adapter_dtype=False).eval()
+    lora = {n: p for n, p in model.named_parameters() if "ubmoe_lora" in n or "ubmoe_attn" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.bfloat16}
+    assert all(p.stride(0) == 1 for n, p in lora.items() if "_B." in n)  # B stays column-major
+    perturb_adapters(model, std=0.1)
+    ids, mask = batch(padding="left")
+    real = mask.bool()
+    reference = get_peft_model(tiny_model("llama", dtype=torch.bfloat16), UBMoEConfig(attention_r=4)).eval()
+    reference.load_state_dict(model.state_dict())  # the same weights, LoRA in fp32
+    for mode in ("bi", "moe"):
+        with ubmoe_peft.use_mode(model, mode), ubmoe_peft.use_mode(reference, mode):
+            ours, theirs = hidden(model, ids, mask)[real].float(), hidden(reference, ids, mask)[real].float()
+            assert (ours - theirs).norm() / theirs.norm() < 5e-2, mode  # bf16 rounding (the adapters move it by > 1)
+    model.save_pretrained(tmp_path)
+    fresh = tiny_model("llama", dtype=torch.bfloat16)
+    loaded = PeftModel.from_pretrained(fresh, tmp_path, autocast_adapter_dtype=False)
+    assert {p.dtype for n, p in loaded.named_parameters() if "ubmoe_lora" in n} == {torch.bfloat16}
+    ubmoe_peft.set_mode(loaded, "bi")
+    ubmoe_peft.set_mode(model, "bi")
+    assert torch.equal(hidden(loaded.eval(), ids, mask), hidden(model, ids, mask))
+    ubmoe_peft.set_stage(model, "contrastive")
+    hidden_states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+    hidden_states[real].float().pow(2).mean().backward()
+    grads = [p.grad for p in lora.values() if p.requires_grad]
+    assert grads and all(g is not None and g.dtype == torch.bfloat16 and g.isfinite().all() for g in grads)
 
 
 def _enter_use_mode(model, mode):

@@ -104,6 +104,8 @@ def test_empty_texts_are_named_not_averaged_in(model, tokenizer):
         attention_dependence(model, tokenizer, [w(5, 6), "", "  "])
     with pytest.raises(ValueError, match=r"texts\[0\] is None"):
         attention_dependence(model, tokenizer, [None])
+    with pytest.raises(ValueError, match=r"texts\[0\] is \{'text': 'a b'\}, a dict .*\[row\['text'\] for row"):
+        attention_dependence(model, tokenizer, [{"text": "a b"}])  # it was called empty
 
 
 def test_a_text_of_no_tokens_is_named(model, tokenizer):

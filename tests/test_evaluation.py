@@ -213,6 +213,17 @@ def test_a_chat_must_end_with_the_assistant_turn_it_scores(model, tokenizer):
     assert lm_loss(model, tokenizer, [good])["tokens"] == 1
 
 
+def test_a_chat_template_whose_generation_prompt_differs_from_its_assistant_turn_is_named(model, tokenizer):
+    """A template that opens a block only in its generation prompt (DeepSeek-R1's <think>): the error said only that
+    the template "does not render the conversation as a prefix", with no detail and no fix."""
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}think {% endif %}"
+    )
+    chat = {"messages": [{"role": "user", "content": w(5)}, {"role": "assistant", "content": w(6)}]}
+    with pytest.raises(ValueError, match=r"(?s)part at token \d+.*Score such rows as 'prompt' and 'completion'"):
+        lm_loss(model, tokenizer, [chat])
+
+
 def test_track_routing_counts_every_batch_not_only_the_last(model, tokenizer):
     texts = [w(*range(i, i + 4 + i % 5)) for i in range(5, 14)]  # 9 texts of different lengths: padding in play
     with ubmoe_peft.track_routing(model) as whole:

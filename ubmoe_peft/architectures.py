@@ -36,6 +36,10 @@ FALLBACK_FFN_NAMES = ("mlp", "feed_forward", "ffn")
 # model itself fails so with a bare TypeError).
 NO_BIDIRECTIONAL_IMPLEMENTATION: dict[str, tuple[str, ...]] = {"modernbert-decoder": ("eager",)}
 
+# model_types that build one mask for every layer, sliding all of them where `config.sliding_window` is set, whatever
+# `config.layer_types` says (MistralConfig keeps layer_types it is given, and only logs that Ministral reads them).
+ONE_MASK_FOR_ALL_LAYERS: frozenset[str] = frozenset({"mistral"})
+
 # model_types whose decoder layer drops its extra keyword arguments (`is_causal=False` among them) on the way to
 # attention, while the attention module passes its own on to transformers' attention function (5.24). With padding,
 # the mask is bidirectional; without, the mask is None and sdpa / flash fall back on the module's `is_causal=True`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -925,6 +926,15 @@ def run(argv: Sequence[str]) -> Any:
         parser.exit(2, f"{parser.prog}: error: {message} (`{parser.prog} --help` lists the options)\n")
 
     parser.error = error
+    _, unknown = parser.parse_known_args(rest)  # before the dataclasses' own checks, which would be named instead
+    if unknown:  # transformers' own error named its parser and no fix
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0]).split("=")[0]
+        spellings = {option: action for action in parser._actions for option in action.option_strings}
+        close = {}  # one spelling per option (each has an underscore and a dash one), the closest
+        for option in difflib.get_close_matches(flag, list(spellings), n=6):
+            close.setdefault(id(spellings[option]), option)
+        hint = f"; did you mean {' or '.join(list(close.values())[:2])}?" if close else ""
+        error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     # look_for_args_file: transformers' parser also reads a `<script>.args` file beside sys.argv[0] (a caller's own
     # script's name), silently adding its options to these
     parsed = parser.parse_args_into_dataclasses(args=rest, look_for_args_file=False)

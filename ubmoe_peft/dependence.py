@@ -11,6 +11,7 @@ reported in percent, per layer averaged over texts, and on average over layers a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -79,6 +80,15 @@ def attention_dependence(
     texts = list(texts)  # a numpy array or pandas Series has no truth value, and a Series indexes by label
     if not texts:
         raise ValueError(f"texts must be a non-empty list of strings, got {texts!r}.")
+    # None and NaN (a missing cell of a table) are empty texts; a row (dict) or a number was called "empty" too
+    missing = {i for i, t in enumerate(texts) if t is None or (isinstance(t, float) and math.isnan(t))}
+    other = [i for i, t in enumerate(texts) if not isinstance(t, str) and i not in missing]
+    if other:
+        first = texts[other[0]]
+        raise ValueError(
+            f"texts[{other[0]}] is {repr(first)[:60]}, a {type(first).__name__} ({len(other)} such entries): "
+            "attention_dependence measures plain texts. Pass strings, e.g. [row['text'] for row in rows]."
+        )
     blank = [i for i, text in enumerate(texts) if not isinstance(text, str) or not text.strip()]
     if blank:
         raise ValueError(

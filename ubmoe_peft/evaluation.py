@@ -234,7 +234,16 @@ def _chat_pair(tokenizer: Any, context: list, turns: list) -> tuple[list[int], l
     first = _ids(tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=True))
     whole = _ids(tokenizer.apply_chat_template(turns, tokenize=True))
     if whole[: len(first)] != first:
-        raise ValueError("The chat template does not render the conversation as a prefix plus the scored turns.")
+        parted = (i for i, (a, b) in enumerate(zip(first, whole, strict=False)) if a != b)
+        at = next(parted, min(len(first), len(whole)))  # the first token where the two renderings differ
+        raise ValueError(
+            "Cannot cut the scored turns out of this chat: the tokenizer's chat template renders the context with its "
+            f"generation prompt as ...{tokenizer.decode(first[max(at - 8, 0) :])!r}, but the whole chat as "
+            f"...{tokenizer.decode(whole[max(at - 8, 0) : at + 8])!r}... (they part at token {at}): its generation "
+            "prompt is not how it renders the assistant's turn (e.g. one that opens a <think> block only in the "
+            "prompt). Score such rows as 'prompt' and 'completion' texts, or use a tokenizer whose template renders "
+            "both alike."
+        )
     return first, whole[len(first) :]
 
 

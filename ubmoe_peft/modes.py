@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
 from peft.utils import ModulesToSaveWrapper
 from torch import nn
 
 from .architectures import backbone
+from .export import MOE_TWINS
+from .tuners.ubmoe.checks import stacklevel_outside_libraries
 from .tuners.ubmoe.layer import UBMoELayer
 from .tuners.ubmoe.state import MODES, ModeState, RoutingTally, no_adapter_error, superseded_error
 
@@ -35,6 +39,19 @@ def mode_state(model: nn.Module) -> ModeState:
     if state is not None:
         return state
     layers = ubmoe_layers(model)
+    config = getattr(model, "config", None)
+    if not layers and getattr(config, "is_causal", True) is False:  # wrapping it is refused: it has no causal mode
+        raise ValueError(
+            f"{type(model).__name__} has no UBMoE layers and modes: its config says is_causal=False, a bidirectional "
+            "model such as merge_and_unload(target='bi') makes, which always embeds as mode bi did. Use it without "
+            "modes, or load the adapter onto the original causal base (PeftModel.from_pretrained(base, adapter_dir))."
+        )
+    if not layers and getattr(config, "model_type", None) in MOE_TWINS:  # a model type exports go to
+        raise ValueError(
+            f"{type(model).__name__} has no UBMoE layers and modes: it is a mixture-of-experts model (what "
+            "merge_and_unload() exports; UBMoE wraps dense FFNs), which runs as it is. Use it without modes; to switch "
+            "modes, load a UBMoE adapter onto the dense base it was trained on (PeftModel.from_pretrained(base, dir))."
+        )
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no UBMoE layers. Wrap it first: peft.get_peft_model(model, UBMoEConfig())."
@@ -58,12 +75,17 @@ def get_mode(model: nn.Module) -> str:
         return state.mode
 
 
-@contextmanager
-def use_mode(model: nn.Module, mode: str) -> Iterator[nn.Module]:
-    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises."""
+def use_mode(model: nn.Module, mode: str) -> AbstractContextManager[nn.Module]:
+    """Run a block in ``mode`` and restore the previous mode afterwards, also when the block raises. The mode and the
+    model are checked at the call (a generator's checks ran only at `with`: a bad mode without `with` passed)."""
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"Unknown mode {mode!r}: use one of {list(MODES)}.")
-    with mode_state(model).switched(mode):
+    return _switched(model, mode_state(model), mode)
+
+
+@contextmanager
+def _switched(model: nn.Module, state: ModeState, mode: str) -> Iterator[nn.Module]:
+    with state.switched(mode):
         yield model
 
 
@@ -83,6 +105,27 @@ def _active_adapter(model: nn.Module) -> str:
 
 
 def set_stage(model: nn.Module, stage: str) -> None:
+    """Prepare a training stage (`prepare_stage`), warning where it makes float16 weights trainable."""
+    prepare_stage(model, stage)
+    names = float16_trainable(model)
+    if names:  # the stage trainers refuse these; any other training loop silently turned the expert NaN
+        warnings.warn(
+            f"set_stage({stage!r}) makes {len(names)} float16 parameters trainable (e.g. {names[0]}): AdamW's update "
+            "of a float16 weight underflows to NaN for gradients below about 2e-4, so they turn NaN within a few "
+            "steps. Load the base in bfloat16 or float32, or keep float16 weights out of training: "
+            "UBMoEConfig(expert_type='lora') and router_dtype='float32', with PEFT's autocast_adapter_dtype left True "
+            "(the default: fp32 LoRA weights).",
+            stacklevel=stacklevel_outside_libraries(),
+        )
+
+
+def float16_trainable(model: nn.Module) -> list[str]:
+    """The names of ``model``'s trainable float16 parameters: an optimizer's update of them underflows (AdamW's eps
+    1e-8 is 0 in float16)."""
+    return [name for name, param in model.named_parameters() if param.requires_grad and param.dtype == torch.float16]
+
+
+def prepare_stage(model: nn.Module, stage: str) -> None:
     """Prepare a training stage: ``"contrastive"`` (mode bi, only the bi experts train) or ``"router"`` (mode moe,
     only the routers train). Every other parameter of the model is frozen, except the active adapter's
     ``modules_to_save`` copies (PEFT's option: modules the user asked to train and save in full), which train in

@@ -42,7 +42,7 @@ from .architectures import attention_module, decoder_layers
 from .data import HARD_NEGATIVE, refuse_graded_pairs
 from .embedding import ADAPTER_FOLDER, not_the_peft_model
 from .io import CONFIG_NAME, OUTPUT_SETTINGS, PICKLE_WEIGHTS_NAME, WEIGHTS_NAME, AdapterMismatchError, read_json_config
-from .modes import mode_state, set_stage, ubmoe_layers, use_mode
+from .modes import float16_trainable, mode_state, prepare_stage, set_stage, ubmoe_layers, use_mode
 from .tuners.ubmoe.state import RoutingTally
 
 PAPER_PROMPT = 'The representative word for sentence {text} is:"'
@@ -152,14 +152,15 @@ def _refuse_float16_weights(model: nn.Module, trainer: str) -> None:
     """AdamW's update of a float16 weight is NaN or inf for a gradient below about 2e-4 (its square is 0, and so is
     eps 1e-8): an fp16 copy expert turned NaN within a few steps while the logged loss read 0 (transformers drops
     NaN losses from its log). transformers' fp16 mixed precision refuses float16 weights as well."""
-    names = [name for name, param in model.named_parameters() if param.requires_grad and param.dtype == torch.float16]
+    names = float16_trainable(model)
     if names:
         raise ValueError(
             f"{trainer} would train {len(names)} float16 parameters (e.g. {names[0]}), whose optimizer updates "
             "underflow to NaN. Load the base in bfloat16 or float32 (from_pretrained(..., dtype=...), the command "
             "line's --dtype; fp16=True in the training arguments then gives float16 mixed precision), or keep float16 "
-            "weights out of training: UBMoEConfig(expert_type='lora') (fp32 adapters), router_dtype='float32', and no "
-            "modules_to_save (full float16 copies)."
+            "weights out of training: UBMoEConfig(expert_type='lora') (fp32 adapters, unless PEFT's "
+            "autocast_adapter_dtype=False was passed), router_dtype='float32', and no modules_to_save (full float16 "
+            "copies)."
         )
 
 
@@ -418,7 +419,7 @@ class ContrastiveTrainer(SentenceTransformerTrainer):
         if not isinstance(args, ContrastiveConfig):
             raise TypeError(f"args is a {type(args).__name__}; pass a ubmoe_peft.ContrastiveConfig.")
         _check_pairs(train_dataset, loss, args.per_device_train_batch_size)
-        set_stage(model, "contrastive")
+        prepare_stage(model, "contrastive")  # set_stage's float16 warning would precede this refusal
         _refuse_float16_weights(model, "ContrastiveTrainer")
         self.peft_model = model
         self.sentence_transformer = to_sentence_transformer(
@@ -755,7 +756,7 @@ class RouterTrainer(SFTTrainer):
                 "RouterTrainer needs the model's tokenizer, since this model has no name to load one by (it was "
                 "built from a config): RouterTrainer(model, args, train_dataset=..., processing_class=tokenizer)."
             )
-        set_stage(model, "router")
+        prepare_stage(model, "router")
         _refuse_float16_weights(model, "RouterTrainer")
         super().__init__(model=model, args=args, **kwargs)
         _routers_in_their_dtype(model)  # TRL's QLoRA recipe casts every trainable parameter to bf16

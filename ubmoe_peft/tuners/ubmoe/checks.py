@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import re
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +33,19 @@ ADAPTER_SEGMENT = r"(\.ubmoe_[A-Za-z_]+)\.{name}(?=\.|$)"
 _CONTAINERS = (*UBMoELayer.adapter_layer_names, "ubmoe_dropout")  # the ModuleDicts a UBMoE layer holds
 # PEFT's modules_to_save per task type: the heads its task models add to every adapter's config
 TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
+
+
+# Packages whose frames a warning skips, to point at the user's line (a trainer's `train()`, a forward call) rather
+# than at torch's hook-calling code. `warnings.warn(skip_file_prefixes=...)` does this from Python 3.12 on only.
+_LIBRARIES = frozenset({"torch", "transformers", "peft", "trl", "accelerate", "sentence_transformers", "ubmoe_peft"})
+
+
+def stacklevel_outside_libraries() -> int:
+    """The `stacklevel` of the first frame, above the caller, that is not code of `_LIBRARIES`."""
+    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def task_heads(config: UBMoEConfig) -> tuple[str, ...]:
@@ -309,7 +323,7 @@ def validate_config(model: nn.Module, config: UBMoEConfig, adapter_name: str = "
     """Resolve ``target_modules`` and check the config against ``model``, raising before anything is changed."""
     _refuse_bidirectional_base(model)
     saved = _check_signature(model, config)
-    targets = _resolve_targets(model, config)
+    targets = _resolve_targets(model, config, saved)
     _check_modules_to_save(config, model, targets, adapter_name, saved)
     _check_adapter_name(model, adapter_name)
     _refuse_expert_blocks(targets)
@@ -348,9 +362,9 @@ def _check_signature(model: nn.Module, config: UBMoEConfig) -> bool:
     return True
 
 
-def _resolve_targets(model: nn.Module, config: UBMoEConfig) -> dict[str, nn.Module]:
+def _resolve_targets(model: nn.Module, config: UBMoEConfig, saved: bool) -> dict[str, nn.Module]:
     """The FFN modules ``config`` targets (``target_modules`` found per architecture where unset); an error naming
-    what the model has where they match nothing or the attention."""
+    what the model has where they match nothing or the attention, a warning where a new config's entry matches none."""
     if config.target_modules is None:
         config.target_modules = [default_ffn_target(model)]
     decoder = in_decoder(model)
@@ -385,6 +399,16 @@ def _resolve_targets(model: nn.Module, config: UBMoEConfig) -> dict[str, nn.Modu
         raise ValueError(
             f"Target modules {config.target_modules!r} not found in the base model. Its decoder layers have the "
             f"children {children}; set UBMoEConfig(target_modules=[...]) to the FFN's name (e.g. ['mlp']).{regex}"
+        )
+    listed = [] if isinstance(config.target_modules, str) or saved else config.target_modules  # str: one regex
+    unused = [t for t in listed if not any(_names_target([t], n) for n in targets)]
+    if unused:  # a typo beside a match was silent
+        children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+        warnings.warn(
+            f"UBMoEConfig(target_modules={config.target_modules!r}): {unused} select no FFN of this model and are "
+            f"ignored ({len(targets)} FFNs are wrapped through the other entries). Its decoder layers have the "
+            f"children {children}: correct or remove those entries.",
+            stacklevel=stacklevel_outside_libraries(),
         )
     attentions = {id(attention_module(layer)) for _, layer in layers}
     wrong = [name for name, m in targets.items() if id(m) in attentions]

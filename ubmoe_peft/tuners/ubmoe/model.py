@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from .checks import (
     matches_target,
     refuse_other_tuners,
     refuse_sentence_transformers_module,
+    stacklevel_outside_libraries,
     task_heads,
     validate_config,
     widen_quantized_copies,
@@ -99,19 +99,6 @@ class _TunerHook:
         if id(tuner) not in memo and id(tuner.model) not in memo:  # one module copied alone
             return self
         return _TunerHook(copy.deepcopy(self.method, memo))  # the copy's tuner, made in the same deep copy
-
-
-# Packages whose frames a warning skips, to point at the user's line (a trainer's `train()`, a forward call) rather
-# than at torch's hook-calling code. `warnings.warn(skip_file_prefixes=...)` does this from Python 3.12 on only.
-_LIBRARIES = frozenset({"torch", "transformers", "peft", "trl", "accelerate", "sentence_transformers", "ubmoe_peft"})
-
-
-def _stacklevel_outside_libraries() -> int:
-    """The `stacklevel` of the first frame, above the caller, that is not code of `_LIBRARIES`."""
-    frame, level = sys._getframe(1), 1  # level 1: the function that calls warnings.warn
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARIES:
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 1
 
 
 def kv_cache_in_mode_bi(what: str, from_embeds: bool = False, note: str = "") -> RuntimeError:
@@ -255,9 +242,25 @@ class UBMoEModel(BaseTuner):
         self._replace_module(parent, target_name, new, target)
 
     def _cast_adapter_dtype(self, adapter_name: str, autocast_adapter_dtype: bool = True) -> None:
-        # Dtypes are chosen when experts are built: LoRA in fp32, copies in the base's (compute) dtype, the router in
-        # config.router_dtype. PEFT's blanket fp32 upcast would break a bf16 copy expert's forward.
-        return None
+        """Dtypes are chosen when experts are built: LoRA in fp32, copies in the base's (compute) dtype, the router in
+        config.router_dtype; PEFT's blanket fp32 upcast would break a bf16 copy expert's forward. As in PEFT,
+        ``autocast_adapter_dtype=False`` leaves LoRA weights in the dtype of the weights they adapt (bf16 / fp16 on
+        such a base: half the memory, merges then as exact as the base dtype; it was ignored)."""
+        if autocast_adapter_dtype:
+            return
+        for layer in self.model.modules():
+            if not isinstance(layer, UBMoELayer):
+                continue
+            pairs = [("ubmoe_lora_A", "ubmoe_lora_B", layer.base_layer)]
+            pairs.append(("ubmoe_attn_A", "ubmoe_attn_B", layer._attention))  # the mode-bi attention adapter
+            for a_name, b_name, adapted in pairs:
+                if adapter_name not in getattr(layer, a_name):
+                    continue
+                dtype = next(p.dtype for p in adapted.parameters())  # a quantized base's packed codes: kept in fp32
+                if dtype in (torch.float16, torch.bfloat16):
+                    for module in (getattr(layer, a_name)[adapter_name], getattr(layer, b_name)[adapter_name]):
+                        for param in module.parameters():  # `.to` keeps B's column-major strides
+                            param.data = param.data.to(dtype)
 
     def delete_adapter(self, adapter_name: str) -> None:
         state, active = self._ubmoe_state, list(self.active_adapters)
@@ -573,9 +576,10 @@ class UBMoEModel(BaseTuner):
         dtype = embeds.dtype if embeds is not None else backbone.get_input_embeddings().weight.dtype
         position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
         packed = packed_bidirectional_mask(backbone.config, reference, position_ids, dtype)
-        if packed is None:
+        built = packed.values() if isinstance(packed, dict) else [packed]
+        if all(mask is None for mask in built):  # none packed, or flash: its varlen path splits them by position_ids
             return args, kwargs
-        self._ubmoe_state.user_mask_4d = True  # bidirectional per document: the check after attention misreads it
+        self._ubmoe_state.user_mask_4d = True  # bidirectional per document, which the check after attention misreads
         if len(args) > 1:
             return (args[0], packed, *args[2:]), kwargs
         return args, {**kwargs, "attention_mask": packed}
@@ -598,7 +602,7 @@ class UBMoEModel(BaseTuner):
                 "(SFT, DPO, KTO, ORPO, GRPO), call ubmoe_peft.set_stage(model, 'router') first (a ContrastiveTrainer "
                 "leaves the model in stage contrastive). If a next-token loss in mode bi is meant (masked next-token "
                 "training), ignore this warning.",
-                stacklevel=_stacklevel_outside_libraries(),
+                stacklevel=stacklevel_outside_libraries(),
             )
 
     def _attention_not_causal(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...architectures import ONE_MASK_FOR_ALL_LAYERS
+
 
 @dataclass(frozen=True)
 class ModeSpec:
@@ -103,6 +105,8 @@ def packed_bidirectional_mask(config: Any, reference: torch.Tensor, position_ids
     proxy = torch.empty(batch, length, 0, dtype=dtype, device=reference.device)  # (B, T, 0): shape, dtype, device
     full = create_bidirectional_mask(config, proxy, None, position_ids=position_ids)
     types = set(getattr(config, "layer_types", None) or ())
+    if getattr(config, "model_type", None) in ONE_MASK_FOR_ALL_LAYERS:
+        types = set()
     if not types - {"full_attention"}:
         if types or getattr(config, "sliding_window", None) is None:
             return full
