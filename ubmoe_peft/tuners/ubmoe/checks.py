@@ -483,14 +483,37 @@ def _check_modules_to_save(
             "wrapped as well. Give the adapter another name."
         )
     modules = list(model.named_modules(remove_duplicate=False))
+    names = _module_names_once_built(modules, targets, adapter_name)
+    _check_entries_match(config, names, saved)
+    reasons = _clashes(config, model, modules, targets)
+    for entry in config.modules_to_save:
+        for name in names:
+            if not name.endswith(entry):
+                continue
+            why = next((why for clash, why in reasons if clash(name)), None)
+            if why is not None:
+                raise ValueError(
+                    f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {entry!r}, which would match "
+                    f"{name!r} (PEFT matches the end of module names), which {why}. Keep modules_to_save to "
+                    "modules outside the wrapped FFNs and the adapted attentions, e.g. ['lm_head']."
+                )
+
+
+def _module_names_once_built(modules: list[tuple[str, nn.Module]], targets: dict[str, nn.Module], adapter: str) -> list:
+    """The model's module names, with those this adapter's experts will add to the wrapped FFNs."""
     names = [n for n, _ in modules if n]
     for name, module in targets.items():  # what this adapter adds to the wrapped FFNs
         ffn = module.base_layer if isinstance(module, UBMoELayer) else module
         inner = [n for n, _ in ffn.named_modules() if n]
         names += [f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
         for container in _CONTAINERS:
-            names += [f"{name}.{container}", f"{name}.{container}.{adapter_name}"]
-            names += [f"{name}.{container}.{adapter_name}.{n}" for n in inner]  # copies, LoRA keys
+            names += [f"{name}.{container}", f"{name}.{container}.{adapter}"]
+            names += [f"{name}.{container}.{adapter}.{n}" for n in inner]  # copies, LoRA keys
+    return names
+
+
+def _check_entries_match(config: UBMoEConfig, names: list[str], saved: bool) -> None:
+    """Every ``modules_to_save`` entry names a module (a saved adapter's that does not is warned about)."""
     # Entries that match no module, now or once the experts are built, were accepted and saved, and nothing was
     # trained or saved for them. PEFT adds both "classifier" and "score" for a (sequence or token) classification task.
     heads = task_heads(config)
@@ -500,7 +523,7 @@ def _check_modules_to_save(
             f"The adapter's modules_to_save entry {unmatched[0]!r} matches no module of this model, so it holds no "
             "trained copy for it and the entry is skipped. Remove it from the adapter's adapter_config.json to "
             "silence this.",
-            stacklevel=4,
+            stacklevel=stacklevel_outside_libraries(),
         )
     elif unmatched:
         outside = [n for n in names if n.count(".") < 2]  # the top of the model: its head, embeddings, norm...
@@ -509,6 +532,12 @@ def _check_modules_to_save(
             "model (PEFT matches the end of module names), so nothing would be trained or saved for it. Name one of "
             f"its modules, e.g. {outside[:8]}."
         )
+
+
+def _clashes(
+    config: UBMoEConfig, model: nn.Module, modules: list[tuple[str, nn.Module]], targets: dict[str, nn.Module]
+) -> tuple:
+    """(test, why) pairs: a module name a ``modules_to_save`` entry may not reach, and why."""
     wrapped = {n for n, m in modules if isinstance(m, UBMoELayer)} | set(targets)  # every adapter's FFNs
     # The attentions that get or have a mode-bi attention adapter, and the linear layers it hooks in them
     layers = decoder_layers(model)
@@ -529,7 +558,7 @@ def _check_modules_to_save(
     def holds(name: str, roots: Iterable[str]) -> bool:
         return any(root.startswith(f"{name}.") for root in roots)
 
-    reasons = (
+    return (
         (
             lambda n: under(n, wrapped),
             "is inside an FFN UBMoE wraps: the FFNs are the experts, trained through the adapter",
@@ -551,17 +580,6 @@ def _check_modules_to_save(
             "train attention through attention_r",
         ),
     )
-    for entry in config.modules_to_save:
-        for name in names:
-            if not name.endswith(entry):
-                continue
-            why = next((why for clash, why in reasons if clash(name)), None)
-            if why is not None:
-                raise ValueError(
-                    f"UBMoEConfig(modules_to_save={config.modules_to_save}) has {entry!r}, which would match "
-                    f"{name!r} (PEFT matches the end of module names), which {why}. Keep modules_to_save to "
-                    "modules outside the wrapped FFNs and the adapted attentions, e.g. ['lm_head']."
-                )
 
 
 def _check_attention(config: UBMoEConfig, ffn_name: str, layers: list[tuple[str, nn.Module]]) -> None:

@@ -493,18 +493,7 @@ class UBMoEModel(BaseTuner):
         state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
         # a 4D tensor or a flex BlockMask: transformers uses it as given
         state.user_mask_4d = isinstance(mask, BlockMask) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
-        if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
-            del cache._ubmoe_filled_in  # emptied (`cache.reset()`, transformers' way to reuse a static cache)
-        filled_in = getattr(cache, "_ubmoe_filled_in", None)
-        if filled_in is not None and filled_in != self._cache_tag():
-            # A cache holds the keys and values of the mode that filled it; another mode would continue from them
-            # (logits off by about 0.1 on a tiny model, with no sign).
-            raise RuntimeError(
-                f"This KV cache was filled in mode {filled_in[0]!r} (adapter {list(filled_in[1])}), but this forward "
-                f"runs in {self._cache_tag()[0]!r} (adapter {list(self.active_adapters)}): decoding would continue "
-                "from another model's states. Continue in the mode that filled it, or run the whole text again in "
-                "this mode (without past_key_values)."
-            )
+        self._check_cache_mode(cache, past)
         if module.training and torch.is_grad_enabled():  # checkpointing recomputes a layer in its forward's mode
             recompute_in_forward_mode(self._decoder_layers, state)
         if state.attention_hooked != (state.spec.ffn == "bi"):  # a mode change since the last forward
@@ -518,6 +507,26 @@ class UBMoEModel(BaseTuner):
             raise no_adapter_error(state.mode, list(self.peft_config))
         if state.spec.causal or not state.adapters_enabled:
             return None
+        return self._bidirectional_inputs(module, mask, args, kwargs)
+
+    def _check_cache_mode(self, cache: Any, past: int) -> None:
+        """Refuse a KV cache filled in another mode (or adapter): it holds that mode's keys and values, and decoding
+        would continue from them (logits off by about 0.1 on a tiny model, with no sign)."""
+        if past == 0 and getattr(cache, "_ubmoe_filled_in", None) is not None:
+            del cache._ubmoe_filled_in  # emptied (`cache.reset()`, transformers' way to reuse a static cache)
+        filled_in = getattr(cache, "_ubmoe_filled_in", None)
+        if filled_in is not None and filled_in != self._cache_tag():
+            raise RuntimeError(
+                f"This KV cache was filled in mode {filled_in[0]!r} (adapter {list(filled_in[1])}), but this forward "
+                f"runs in {self._cache_tag()[0]!r} (adapter {list(self.active_adapters)}): decoding would continue "
+                "from another model's states. Continue in the mode that filled it, or run the whole text again in "
+                "this mode (without past_key_values)."
+            )
+
+    def _bidirectional_inputs(self, module: nn.Module, mask: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Mode bi's backbone inputs: ``is_causal=False`` and no KV cache, after refusing what cannot attend
+        bidirectionally (an attention implementation, a cache, a causal 4D mask of the caller's)."""
+        state = self._ubmoe_state
         implementation = self._attn_implementation()
         model_type = getattr(text_config(self.model), "model_type", None)
         broken = NO_BIDIRECTIONAL_IMPLEMENTATION.get(model_type, ())
