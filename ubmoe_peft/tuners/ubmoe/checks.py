@@ -362,6 +362,11 @@ def _check_signature(model: nn.Module, config: UBMoEConfig) -> bool:
     return True
 
 
+def _layer_children(layers: list[tuple[str, nn.Module]]) -> list[str]:
+    """The names of the first decoder layer's children, which error messages offer as targets."""
+    return sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+
+
 def _resolve_targets(model: nn.Module, config: UBMoEConfig, saved: bool) -> dict[str, nn.Module]:
     """The FFN modules ``config`` targets (``target_modules`` found per architecture where unset); an error naming
     what the model has where they match nothing or the attention, a warning where a new config's entry matches none."""
@@ -389,7 +394,7 @@ def _resolve_targets(model: nn.Module, config: UBMoEConfig, saved: bool) -> dict
                 "widen target_modules (e.g. ['mlp'])."
             )
     if not targets:
-        children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+        children = _layer_children(layers)
         regex = (  # a string is matched against the whole module name, as in PEFT
             " A string is a regular expression matched against the whole module name (e.g. r'.*\\.mlp' for every "
             "layer's mlp); a list matches name endings."
@@ -403,7 +408,7 @@ def _resolve_targets(model: nn.Module, config: UBMoEConfig, saved: bool) -> dict
     listed = [] if isinstance(config.target_modules, str) or saved else config.target_modules  # str: one regex
     unused = [t for t in listed if not any(_names_target([t], n) for n in targets)]
     if unused:  # a typo beside a match was silent
-        children = sorted({child for _, layer in layers[:1] for child, _ in layer.named_children()})
+        children = _layer_children(layers)
         warnings.warn(
             f"UBMoEConfig(target_modules={config.target_modules!r}): {unused} select no FFN of this model and are "
             f"ignored ({len(targets)} FFNs are wrapped through the other entries). Its decoder layers have the "

@@ -251,16 +251,16 @@ class UBMoEModel(BaseTuner):
         for layer in self.model.modules():
             if not isinstance(layer, UBMoELayer):
                 continue
-            pairs = [("ubmoe_lora_A", "ubmoe_lora_B", layer.base_layer)]
-            pairs.append(("ubmoe_attn_A", "ubmoe_attn_B", layer._attention))  # the mode-bi attention adapter
-            for a_name, b_name, adapted in pairs:
-                if adapter_name not in getattr(layer, a_name):
+            for a, b, adapted in (
+                (layer.ubmoe_lora_A, layer.ubmoe_lora_B, layer.base_layer),
+                (layer.ubmoe_attn_A, layer.ubmoe_attn_B, layer._attention),  # the mode-bi attention adapter
+            ):
+                if adapter_name not in a:
                     continue
                 dtype = next(p.dtype for p in adapted.parameters())  # a quantized base's packed codes: kept in fp32
                 if dtype in (torch.float16, torch.bfloat16):
-                    for module in (getattr(layer, a_name)[adapter_name], getattr(layer, b_name)[adapter_name]):
-                        for param in module.parameters():  # `.to` keeps B's column-major strides
-                            param.data = param.data.to(dtype)
+                    for param in (*a[adapter_name].parameters(), *b[adapter_name].parameters()):
+                        param.data = param.data.to(dtype)  # `.to` keeps B's column-major strides
 
     def delete_adapter(self, adapter_name: str) -> None:
         state, active = self._ubmoe_state, list(self.active_adapters)
