@@ -1664,10 +1664,49 @@ def test_several_active_adapters_are_refused():
     assert model.active_adapters == ["two"]
     with pytest.raises(NotImplementedError, match=r"UBMoE adapters cannot be combined by weights"):
         model.add_weighted_adapter(["default", "two"], [0.5, 0.5], "mix")  # a bare AttributeError before
+    # PEFT's module-level set_adapter bypasses the tuner's check: the layers refuse the mix at the forward
+    from peft.tuners.tuners_utils import set_adapter as set_adapter_of_layers
+
+    set_adapter_of_layers(model.get_base_model(), ["default", "two"])
+    ids, mask = batch()
+    with pytest.raises(ValueError, match=r"UBMoE runs one adapter at a time, but \['default', 'two'\] are active"):
+        model(input_ids=ids, attention_mask=mask)
+    model.base_model.set_adapter("default")
     model.delete_adapter("default")
     model.delete_adapter("two")
     model.add_adapter("three", UBMoEConfig())  # PEFT sets the active adapters, none by then: that is no mix
     assert layers(model) and all(set(layer.ubmoe_router) == {"three"} for layer in layers(model))
+
+
+def test_peft_layer_level_switches_of_an_injected_model_behave_as_the_peft_model_ones():
+    """A model made with PEFT's inject_adapter_in_model has no PeftModel: its adapters are disabled layer by layer
+    (BaseTunerLayer.enable_adapters, also what transformers' disable_adapters calls), which left mode bi's attention
+    bidirectional, neither the base model nor mode bi; and its state dict, whose keys lack PeftModel's prefix, was
+    refused by a PeftModel as "saved with other settings"."""
+    from peft import get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    ids, mask = batch()
+    base = logits(tiny_model("llama"), ids, mask)
+    inner = inject_adapter_in_model(UBMoEConfig(), tiny_model("llama"))
+    perturb_adapters(inner)
+    inner.eval()
+    ubmoe_peft.set_mode(inner, "bi")
+    in_bi = logits(inner, ids, mask)
+    for module in inner.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(False)
+    assert torch.equal(logits(inner, ids, mask), base)
+    for module in inner.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.enable_adapters(True)
+    assert torch.equal(logits(inner, ids, mask), in_bi)
+
+    model = get_peft_model(tiny_model("llama"), UBMoEConfig()).eval()
+    set_peft_model_state_dict(model, get_peft_model_state_dict(inner))
+    for mode in MODES:
+        with ubmoe_peft.use_mode(model, mode), ubmoe_peft.use_mode(inner, mode):
+            assert torch.equal(logits(model, ids, mask), logits(inner, ids, mask))
 
 
 def test_an_adapter_added_to_a_model_in_eval_mode_has_no_active_dropout():

@@ -154,6 +154,12 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
                 del getattr(self, name)[adapter_name]
         self._plans.pop(adapter_name, None)
 
+    def enable_adapters(self, enabled: bool) -> None:
+        # PEFT's layer-level switch (the only one on a model made with inject_adapter_in_model, and what transformers'
+        # disable_adapters() calls): disabled adapters also mean causal attention, as UBMoEModel's switch sets.
+        super().enable_adapters(enabled)
+        self._state.adapters_enabled = enabled
+
     def delete_adapter(self, adapter_name: str) -> None:
         # A decode plan holds the adapter's modules: PEFT's deletion would leave them (a copy expert's whole FFN) alive.
         self._plans.pop(adapter_name, None)
@@ -235,12 +241,14 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         active = self.active_adapters
         if len(active) == 1:  # the common case, without a list per layer and token
             return active[0] if active[0] in self.ubmoe_router else None
-        present = [a for a in active if a in self.ubmoe_router]
-        if len(present) > 1:
+        if len(active) > 1:  # also adapters on different layers (PEFT's module-level set_adapter(model, [a, b]),
+            # which bypasses UBMoEModel.set_adapter): each layer ran its own one, a silent mix
             raise ValueError(
-                f"UBMoE runs one adapter at a time, but {present} are active. Choose one with model.set_adapter(name)."
+                f"UBMoE runs one adapter at a time, but {list(active)} are active. Choose one with "
+                "model.set_adapter(name) (or peft.tuners.tuners_utils.set_adapter(model, name) on a model made with "
+                "inject_adapter_in_model)."
             )
-        return present[0] if present else None
+        return None  # no active adapter
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not args and not kwargs and not torch.is_grad_enabled() and x.shape[:-1].numel() <= HOST_ROUTING_TOKENS:

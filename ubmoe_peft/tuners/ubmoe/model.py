@@ -60,6 +60,7 @@ from .state import (
 # tensor, flex attention's BlockMask), or the kernel's own flag (flash).
 BIDIRECTIONAL_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
+_PEFT_PREFIX = "base_model.model."  # PeftModel's key prefix
 _LORA_B = re.compile(r"\.ubmoe_(lora|attn)_B\.")  # keys of LoRA B weights
 
 
@@ -386,6 +387,10 @@ class UBMoEModel(BaseTuner):
     def _remap_adapter_state_dict_for_load(cls, model, config, adapter_name, state_dict):
         # PEFT loads with strict=False, so a checkpoint for another base would load partly and silently. Every
         # UBMoE tensor must have a home of the same shape, and every adapter parameter a tensor.
+        # A state dict of a model made with inject_adapter_in_model has no PeftModel prefix: PEFT maps a PeftModel's
+        # keys onto such a model, not the other way round (it was refused as "saved with other settings").
+        if isinstance(model, PeftModel) and state_dict and not any(k.startswith(_PEFT_PREFIX) for k in state_dict):
+            state_dict = {_PEFT_PREFIX + key: value for key, value in state_dict.items()}
         remapped = super()._remap_adapter_state_dict_for_load(
             model=model, config=config, adapter_name=adapter_name, state_dict=state_dict
         )
