@@ -1503,15 +1503,81 @@ def test_mode_bi_takes_a_bidirectional_4d_mask_and_names_a_causal_one():
             logits(model, ids, four_d)[real], logits(model, ids, mask)[real], rtol=1e-5, atol=1e-5
         )
         causal = torch.full((ids.shape[1],) * 2, torch.finfo(torch.float32).min).triu(1)[None, None]  # (1, 1, T, T)
-        with pytest.raises(ValueError, match="4D attention_mask passed in .* lets no token see a later one"):
+        with pytest.raises(ValueError, match="4D attention_mask passed in, of shape .* lets no token see a later one"):
             logits(model, ids, causal.expand(ids.shape[0], 1, -1, -1))
+        # padding query rows left open (no empty softmax row, as transformers' _unmask_unattended made them) are
+        # filler: such a causal mask ran causal, silently, since a padding query "saw" later tokens
+        open_padding = causal.expand(ids.shape[0], 1, -1, -1).masked_fill(~real[:, None, :, None], 0.0)
+        with pytest.raises(ValueError, match="4D attention_mask passed in, of shape .* lets no token see a later one"):
+            logits(model, ids, open_padding)
+        visible |= ~real[:, None, :, None]  # the same open rows in a bidirectional mask
+        torch.testing.assert_close(
+            logits(model, ids, torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min))[real],
+            logits(model, ids, mask)[real],
+            rtol=1e-5,
+            atol=1e-5,
+        )
         # flex attention's BlockMask is used as given too: a causal one is the caller's (it was blamed on transformers)
         from torch.nn.attention.flex_attention import create_block_mask
 
         length = ids.shape[1]
         block = create_block_mask(lambda b, h, q, k: k <= q, B=None, H=None, Q_LEN=length, KV_LEN=length, device="cpu")
-        with pytest.raises(ValueError, match="4D attention_mask passed in .* lets no token see a later one"):
+        with pytest.raises(ValueError, match="4D attention_mask passed in, of shape .* lets no token see a later one"):
             logits(model, ids, block)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("lengths", [[9], [6], [6, 9], [1, 9]])
+def test_a_callers_4d_mask_is_judged_by_its_real_tokens(lengths, side):
+    """Mode bi's check of a mask passed in, as a tensor and as flex attention's BlockMask. Padding query rows left
+    open (no empty softmax row) made a causal mask pass as bidirectional (it then ran causal, silently); padding rows
+    that see only themselves made a left-padded bidirectional BlockMask fail."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ubmoe_peft.tuners.ubmoe.model import _user_mask_sees_later
+
+    length = 9
+    positions = torch.arange(length)
+    pad = torch.stack([positions < length - n if side == "left" else positions >= n for n in lengths])  # (B, T)
+    masks = {  # name: (mask_mod, bidirectional)
+        "bi, padding rows open": (lambda b, h, q, k: ~pad[b, k] | pad[b, q], True),
+        "bi, padding rows see themselves": (lambda b, h, q, k: ~pad[b, k] & ~pad[b, q] | (k == q), True),
+        "bi, as transformers builds it": (lambda b, h, q, k: ~pad[b, k], True),
+        "causal, padding rows open": (lambda b, h, q, k: (k <= q) & ~pad[b, k] | pad[b, q], False),
+        "causal, padding rows see themselves": (lambda b, h, q, k: (k <= q) & ~pad[b, k] | (k == q), False),
+    }
+    b, q, k = torch.meshgrid(torch.arange(len(lengths)), positions, positions, indexing="ij")
+    for name, (allows, bidirectional) in masks.items():
+        tensor = allows(b, None, q, k)[:, None]  # (B, 1, T, T)
+        block = create_block_mask(allows, B=len(lengths), H=None, Q_LEN=length, KV_LEN=length, device="cpu")
+        for mask in (tensor, torch.zeros(tensor.shape).masked_fill(~tensor, torch.finfo(torch.float32).min), block):
+            assert _user_mask_sees_later(mask) == bidirectional, (name, type(mask).__name__)
+
+
+def test_mode_bi_takes_a_dict_of_4d_masks_per_layer_type_as_the_callers():
+    """Models mixing sliding and full layers (Gemma 2) take a dict of 4D masks, one per layer type, as given: a
+    bidirectional one was refused with an error blaming transformers, and a causal one was blamed on it too."""
+    model, _ = wrap("gemma2")
+    perturb_adapters(model, std=0.2)
+    ids, mask = batch(padding="left")
+    real = mask.bool()
+    visible = real[:, None, None, :] & real[:, None, :, None] | torch.eye(ids.shape[1], dtype=torch.bool)
+    causal = visible & torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+
+    def per_type(allowed):
+        additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return {"full_attention": additive, "sliding_attention": additive}
+
+    with ubmoe_peft.use_mode(model, "bi"):
+        torch.testing.assert_close(
+            logits(model, ids, per_type(visible))[real], logits(model, ids, mask)[real], rtol=1e-5, atol=1e-5
+        )
+        with pytest.raises(
+            ValueError, match=r"4D attention_mask passed in for '\w+_attention' layers, of shape \(3, 1, 9, 9\)"
+        ):
+            logits(model, ids, per_type(causal))
+    with ubmoe_peft.use_mode(model, "uni"):
+        torch.testing.assert_close(logits(model, ids, per_type(causal))[real], logits(model, ids, mask)[real])
 
 
 # ---- accelerate offloading -----------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from .lora import column_major
 from .state import (
     ModeState,
     allowed_pairs,
+    block_mask_allows,
     first_real_sees_second,
     forget_parts,
     no_adapter_error,
@@ -497,7 +498,8 @@ class UBMoEModel(BaseTuner):
         counted = mask.get("full_attention", mask.get("sliding_attention")) if isinstance(mask, dict) else mask
         state.begin_forward(counted if isinstance(counted, torch.Tensor) else None, past)
         # a 4D tensor or a flex BlockMask: transformers uses it as given
-        state.user_mask_4d = isinstance(mask, BlockMask) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+        # (also a dict of them, one per layer type, which models mixing sliding and full layers take as given)
+        state.user_mask_4d = any(_is_4d_mask(m) for m in (mask.values() if isinstance(mask, dict) else [mask]))
         self._check_cache_mode(cache, past)
         if module.training and torch.is_grad_enabled():  # checkpointing recomputes a layer in its forward's mode
             recompute_in_forward_mode(self._decoder_layers, state)
@@ -559,18 +561,15 @@ class UBMoEModel(BaseTuner):
                 else "",
             )
         if state.user_mask_4d:  # a 4D mask is used as given, so it must itself be bidirectional
-            if isinstance(mask, BlockMask):
-                sees_later = first_real_sees_second(mask)
-            else:
-                allowed = allowed_pairs(mask)  # (B, 1|H, Q, K)
-                queries, keys = mask.shape[-2:]
-                later = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).triu(1 + keys - queries)
-                sees_later = bool((allowed & later).any())  # (Q, K) above: the pairs of a key after its query
-            if not sees_later:
+            for kind, given in mask.items() if isinstance(mask, dict) else [(None, mask)]:
+                if not _is_4d_mask(given) or _user_mask_sees_later(given):
+                    continue
+                which = f" for {kind!r} layers" if kind is not None else ""
                 raise ValueError(
-                    f"Mode 'bi' attends bidirectionally, but the 4D attention_mask passed in ({tuple(mask.shape)}) "
-                    "lets no token see a later one (a causal or block-causal mask). Pass the 2D padding mask "
-                    "(transformers then builds a bidirectional one), or a 4D mask that lets tokens see later ones."
+                    f"Mode 'bi' attends bidirectionally, but the 4D attention_mask passed in{which}, of shape "
+                    f"{tuple(given.shape)}, lets no token see a later one (a causal or block-causal mask). Pass the 2D "
+                    "padding mask (transformers then builds a bidirectional one), or a 4D mask that lets tokens see "
+                    "later ones."
                 )
         elif mask is None:  # where transformers looks for packed rows (no mask, no cache)
             args, kwargs = self._keep_documents_apart(module, args, kwargs)
@@ -844,6 +843,40 @@ def _cached_length(cache: Any) -> int | None:
         return int(cache.get_seq_length())
     except (AttributeError, TypeError, ValueError):  # a legacy tuple cache, or a cache type of its own
         return None
+
+
+def _is_4d_mask(mask: Any) -> bool:
+    """A mask transformers uses as given: a 4D tensor or flex attention's BlockMask."""
+    return isinstance(mask, BlockMask) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+
+
+def _user_mask_sees_later(mask: Any) -> bool:
+    """Whether a caller's 4D mask (tensor or BlockMask) lets tokens see later ones, as mode bi needs.
+
+    A query that may attend to every key is filler (a padding row left open, so that softmax has no empty row, as
+    transformers' `_unmask_unattended` makes them) and says nothing about the real tokens: a causal mask with such
+    rows let a padding query "see later tokens" and ran causal. A batch row is bidirectional if every query in it is
+    open (no padding) or another query sees a later key. A BlockMask is read pair by pair, one batch row at a time
+    (the check only runs on a mask the caller passed in mode bi)."""
+    rows = [allowed_pairs(mask)] if isinstance(mask, torch.Tensor) else _block_mask_rows(mask)  # (B|1, 1|H, Q, K)
+    for allowed in rows:
+        queries, keys = allowed.shape[-2:]
+        later = torch.ones(queries, keys, dtype=torch.bool, device=allowed.device).triu(1 + keys - queries)
+        open_rows = allowed.all(dim=-1)  # (B, 1|H, Q)
+        later_seen = (allowed & ~open_rows[..., None] & later).flatten(-2).any(-1)  # (B, 1|H)
+        if bool((open_rows.all(-1) | later_seen).any()):
+            return True
+    return False
+
+
+def _block_mask_rows(mask: BlockMask) -> Iterator[torch.Tensor]:
+    """The pairs a BlockMask allows (head 0), one (1, 1, Q, K) bool tensor per batch row."""
+    queries, keys = mask.seq_lengths
+    device = mask.kv_num_blocks.device
+    pairs = torch.cartesian_prod(torch.arange(queries, device=device), torch.arange(keys, device=device))  # (Q * K, 2)
+    for row in range(mask.kv_num_blocks.shape[0]):
+        rows = torch.full((pairs.shape[0],), row, device=device)
+        yield block_mask_allows(mask, rows, pairs[:, 0], pairs[:, 1]).view(1, 1, queries, keys)
 
 
 def _causal_error(model: nn.Module, implementation: str | None, attention: nn.Module) -> RuntimeError:
