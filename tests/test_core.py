@@ -1999,6 +1999,33 @@ def _foreign(model_type: str, attn: str = "eager") -> torch.nn.Module:
             layer_types=["conv", "full_attention"],
             **small,
         ),
+        "nemotron_h": lambda: tf.NemotronHConfig(  # every layer's block is its `mixer`: Mamba, FFN, attention, FFN
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"],
+            num_hidden_layers=4,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            chunk_size=16,
+            n_groups=1,
+            **small,
+        ),
+        "zamba2": lambda: tf.Zamba2Config(  # a Mamba layer, then a hybrid one whose FFN takes the layer index
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            layer_types=["linear_attention", "hybrid"],
+            hybrid_layer_ids=[1],
+            mamba_headdim=16,
+            mamba_d_state=16,
+            **small,
+        ),
         "llama4_text": lambda: tf.Llama4TextConfig(  # full attention, then chunked attention in an MoE layer
             hidden_size=32,
             intermediate_size=64,
@@ -2162,6 +2189,44 @@ def test_ffns_that_cannot_be_experts_are_refused_when_wrapping(model_type, messa
     if model_type == "qwen2_moe":  # the fix the error names works
         model = get_peft_model(base, UBMoEConfig(layers_to_transform=[0]))
         assert [m.layer_idx for m in model.modules() if isinstance(m, UBMoELayer)] == [0]
+
+
+def test_hybrid_blocks_named_alike_and_ffns_called_with_more_than_the_hidden_states_are_refused_clearly():
+    """Nemotron-H names every layer's block `mixer`: the advice of the first refusal wrapped its attention as an FFN
+    (every forward then failed with a bare TypeError), and a Mamba convolution was named fused experts. Zamba2's
+    decoder calls its FFN with the layer index, which the experts dropped (a bare KeyError deep inside it)."""
+    base = _foreign("nemotron_h", "sdpa")
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.2.mixer' \(1 of 4 targets\) is the layer's attention.*"
+        r"whose 'mixer' is an FFN: UBMoEConfig\(layers_to_transform=\[1, 3\]\)",
+    ):
+        get_peft_model(base, UBMoEConfig(target_modules=["mixer"]))
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.mixer' \(NemotronHMamba2Mixer, 1 of 3 targets\) holds a "
+        r"convolution \('conv1d.weight'\).*UBMoEConfig\(layers_to_transform=\[1, 3\]\)",
+    ):
+        get_peft_model(base, UBMoEConfig(target_modules=["mixer"], layers_to_transform=[0, 1, 3]))
+    assert not any(isinstance(m, UBMoELayer) for m in base.modules())
+    model = get_peft_model(base, UBMoEConfig(target_modules=["mixer"], layers_to_transform=[1, 3]))
+    ids, mask = batch(padding="left")
+    with ubmoe_peft.use_mode(model, "uni"):
+        expected = logits(model, ids, mask)
+    assert torch.equal(logits(model, ids, mask), expected)  # a fresh adapter's mode moe is the base model
+
+    model = get_peft_model(_foreign("zamba2", "sdpa"), UBMoEConfig(target_modules=["feed_forward"]))
+    with ubmoe_peft.use_mode(model, "uni"):
+        assert torch.isfinite(logits(model, ids, mask)).all()
+    for mode in ("moe", "bi"):
+        with (
+            ubmoe_peft.use_mode(model, mode),
+            pytest.raises(
+                ValueError,
+                match=rf"calls its FFN \(Zamba2MLP\) with the extra arguments \[1\] besides the hidden .*mode '{mode}'",
+            ),
+        ):
+            logits(model, ids, mask)
 
 
 def test_a_multimodal_model_wraps_its_language_model_only(tokenizer):

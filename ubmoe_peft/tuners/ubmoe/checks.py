@@ -268,7 +268,7 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
     fused = {}
     for name, module in targets.items():
         module = module.base_layer if isinstance(module, UBMoELayer) else module
-        weight = next(((key, p.dim(), tuple(p.shape)) for key, p in module.named_parameters() if p.dim() >= 3), None)
+        weight = _fused_weight(module)
         if weight is not None and weight[2][0] == 1:  # (1, 1, C): not experts but a per-channel mix, RWKV's token shift
             raise ValueError(
                 f"Target module {name!r} ({type(module).__name__}) holds {weight[0]!r} of shape {weight[2]}, a "
@@ -280,18 +280,39 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
             fused[name] = weight[:2]
     if not fused:
         return
-    dense = sorted({layer_index(name) for name in targets if name not in fused} - {None})
+    # the layers whose target is an FFN: not a block above, nor an attention under another name (hybrids name every
+    # layer's block alike: Nemotron-H's `mixer` is a Mamba mixer, an attention or an FFN)
+    dense = sorted({layer_index(n) for n, m in targets.items() if n not in fused and not _is_attention(m)} - {None})
     name, (weight, dims) = next(iter(fused.items()))
     fix = (
         f"Wrap only the layers with a dense FFN: UBMoEConfig(layers_to_transform={dense})."
         if dense
         else "The targeted layers hold no dense FFN; use a dense model."
     )
+    module = targets[name].base_layer if isinstance(targets[name], UBMoELayer) else targets[name]
+    if isinstance(module.get_submodule(weight.rpartition(".")[0]), nn.modules.conv._ConvNd):
+        raise ValueError(
+            f"Target module {name!r} ({type(module).__name__}, {len(fused)} of {len(targets)} targets) holds a "
+            f"convolution ({weight!r}): a state-space (Mamba) or convolution block, not an FFN. UBMoE wraps FFNs "
+            f"that compute each token from its own hidden state. {fix}"
+        )
     raise ValueError(
         f"Target module {name!r} ({len(fused)} of {len(targets)} targets) is a mixture-of-experts block: it holds "
         f"fused expert weights ({weight!r}, {dims}-D). UBMoE pairs a dense FFN with its bidirectional twin and "
         f"cannot make experts of an MoE block. {fix}"
     )
+
+
+def _fused_weight(module: nn.Module) -> tuple[str, int, tuple[int, ...]] | None:
+    """The first parameter of 3 or more dimensions in ``module`` (name, dims, shape): no FFN of linears has one."""
+    module = module.base_layer if isinstance(module, UBMoELayer) else module
+    return next(((key, p.dim(), tuple(p.shape)) for key, p in module.named_parameters() if p.dim() >= 3), None)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An attention module, also under another name than the decoder layers' usual ones (`attention_module`)."""
+    module = module.base_layer if isinstance(module, UBMoELayer) else module
+    return "Attention" in type(module).__name__
 
 
 _QUANT_STATE_PARTS = {"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "SCB", "weight_format"}
@@ -416,11 +437,19 @@ def _resolve_targets(model: nn.Module, config: UBMoEConfig, saved: bool) -> dict
             stacklevel=stacklevel_outside_libraries(),
         )
     attentions = {id(attention_module(layer)) for _, layer in layers}
-    wrong = [name for name, m in targets.items() if id(m) in attentions]
+    wrong = [name for name, m in targets.items() if id(m) in attentions or _is_attention(m)]
     if wrong:  # accepted, then every forward failed: a UBMoE layer is called with the hidden states alone
+        # hybrids name every layer's block alike (Nemotron-H's `mixer`: a Mamba mixer, an attention or an FFN)
+        ffns = sorted({layer_index(n) for n, m in targets.items() if n not in wrong and not _fused_weight(m)} - {None})
+        fix = (
+            f"Wrap only the layers whose {'/'.join(sorted({n.rpartition('.')[2] for n in wrong}))!r} is an FFN: "
+            f"UBMoEConfig(layers_to_transform={ffns})"
+            if ffns
+            else "Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)"
+        )
         raise ValueError(
-            f"Target module {wrong[0]!r} is the layer's attention, not the FFN: UBMoE wraps the decoder layers' FFNs. "
-            f"Target the FFN, e.g. UBMoEConfig(target_modules=['mlp']) (or None to find it)."
+            f"Target module {wrong[0]!r} ({len(wrong)} of {len(targets)} targets) is the layer's attention, not the "
+            f"FFN: UBMoE wraps the decoder layers' FFNs. {fix}."
         )
     return targets
 

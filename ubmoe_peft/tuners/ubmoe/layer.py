@@ -259,6 +259,8 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         ffn = self._state.spec.ffn
         if adapter is None or ffn == "uni":
             return self.base_layer(x, *args, **kwargs)
+        if args or kwargs:  # dropping them would run another FFN than the decoder asked for, or fail deep inside it
+            raise ValueError(self._extra_inputs_error(args, kwargs))
         router = self.ubmoe_router[adapter]
         # torch computes on uninitialised memory with a meta weight, silently; accelerate's offloading (a hook on the
         # module) brings its weights in for the call
@@ -272,6 +274,19 @@ class UBMoELayer(nn.Module, BaseTunerLayer):
         if ffn == "bi":
             return self._bi_expert(adapter, x)
         return self._moe(adapter, x)
+
+    def _extra_inputs_error(self, args: tuple, kwargs: dict) -> str:
+        def shown(value: Any) -> str:
+            return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+        given = [shown(a) for a in args] + [f"{k}={shown(v)}" for k, v in kwargs.items()]
+        return (
+            f"This model's decoder layer calls its FFN ({type(self.base_layer).__name__}) with the extra arguments "
+            f"[{', '.join(given)}] besides the hidden states, and the FFN computes with them (Zamba2's shared FFN "
+            "takes the layer index, Moshi's depth decoder the codebook). UBMoE runs its experts on the hidden states "
+            f"alone, so mode {self._state.mode!r} cannot run this FFN; mode 'uni' runs it as the base model does. This "
+            "architecture is not supported: use one whose decoder layers call the FFN with the hidden states alone."
+        )
 
     def _refuse_fsdp_units(self, adapter: str) -> None:
         """FSDP1 gathers a unit's weights only in its own forward; routers and LoRA weights (of the FFN expert and of
