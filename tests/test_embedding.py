@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import shutil
 
 import pytest
 import torch
 from conftest import batch, perturb_adapters, tiny_model, w
-from peft import get_peft_model
+from peft import PeftModel, get_peft_model
 from sentence_transformers import losses
 from transformers import AutoModelForCausalLM
 
@@ -543,9 +544,13 @@ def test_sentence_transformers_own_loader_refuses_an_adapter_folder(tokenizer, t
 
 
 def test_a_save_that_fails_over_an_earlier_one_is_refused_at_load_not_mixed(tokenizer, tmp_path, monkeypatch):
-    """st.save writes the adapter, the tokenizer, then its config: failing in between over an earlier save loaded the
-    new weights under the old prompt. A re-save under another adapter name kept both adapters (no longer loadable);
-    a damaged config was a bare JSONDecodeError."""
+    """st.save writes sentence-transformers' config, then the adapter, the tokenizer and the encoder's config, then
+    the other modules (pooling, normalization) and the list of modules, each in place: failing anywhere over an earlier
+    save loaded a mix (the new weights under the old prompt, or under the old pooling; the old weights with the new
+    truncate_dim). A re-save under another adapter name kept both adapters (no longer loadable); a damaged config was
+    a bare JSONDecodeError."""
+    from sentence_transformers.models import Normalize
+
     from ubmoe_peft.io import UBMoEFileError
 
     old = to_sentence_transformer(_wrapped(), tokenizer, prompt="Old {text} prompt", max_length=128)
@@ -553,19 +558,28 @@ def test_a_save_that_fails_over_an_earlier_one_is_refused_at_load_not_mixed(toke
     other = _wrapped()
     perturb_adapters(other, std=0.1, seed=2)  # other weights
     new = to_sentence_transformer(other, tokenizer, prompt="New: ", max_length=64)
+    new.append(Normalize())
+    new.truncate_dim = 8
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(type(new[0]), "save_tokenizer", full)
-    with pytest.raises(OSError, match="No space"):
-        new.save(str(tmp_path))
-    monkeypatch.undo()
-    with pytest.raises(UBMoEFileError, match="mixes two saves: its config.json .* Save the encoder again"):
-        load_sentence_transformer(tiny_model(), tmp_path)
+    for owner, method in ((PeftModel, "save_pretrained"), (type(new[0]), "save_tokenizer"), (Normalize, "save")):
+        monkeypatch.setattr(owner, method, full)
+        with pytest.raises(OSError, match="No space"):
+            new.save(str(tmp_path))
+        monkeypatch.undo()
+        with pytest.raises(UBMoEFileError, match="no modules.json: st.save into it was cut short.*Save the encoder"):
+            load_sentence_transformer(tiny_model(), tmp_path)
     new.save(str(tmp_path))  # saved whole: loads
     again = load_sentence_transformer(tiny_model(), tmp_path)
     assert again[0].prompt == "New: " and (again.encode([w(5)]) == new.encode([w(5)])).all()
+    old.save(str(tmp_path / "old"))  # an adapter folder copied in from another save
+    adapter = tmp_path / "ubmoe_adapter"
+    shutil.copytree(tmp_path / "old" / "ubmoe_adapter", adapter, dirs_exist_ok=True)
+    with pytest.raises(UBMoEFileError, match="mixes two saves: its config.json .* Save the encoder again"):
+        load_sentence_transformer(tiny_model(), tmp_path)
+    new.save(str(tmp_path))
 
     renamed = get_peft_model(tiny_model(), UBMoEConfig(), adapter_name="emb").eval()
     perturb_adapters(renamed, std=0.1)

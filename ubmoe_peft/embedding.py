@@ -266,11 +266,18 @@ class UBMoEEncoder(InputModule):
         """Saves the adapter that embeds (the active one; not the base model), the tokenizer and this module's
         config. The adapter folder is written beside the old one and swapped in whole (a re-save under another
         adapter name kept both, and the folder no longer loaded); the config goes last, atomically, with a digest of
-        the adapter's weights, so that a save that failed part-way over an earlier one is refused at load (it loaded
-        as the new weights under the old prompt)."""
+        the adapter's weights, so that a folder mixing two saves is refused at load (it loaded as the new weights
+        under the old prompt)."""
         from .io import atomic_folder, atomic_write_text
 
         _check_saves_the_adapter(self.model, "The encoder's save")  # before anything is written
+        # sentence-transformers writes config_sentence_transformers.json before this module and the later modules
+        # (Pooling, Normalize...) and modules.json after it, each in place: a save that failed part-way over an
+        # earlier one loaded mixed (new adapter under the old pooling, old adapter under the new prompts and
+        # truncate_dim). Without modules.json until the whole save has succeeded, such a folder is refused at load.
+        listing = Path(output_path) / "modules.json"
+        if listing.is_file():
+            listing.unlink()
         active = getattr(self.model, "active_adapter", None)
         selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
         with atomic_folder(Path(output_path) / ADAPTER_FOLDER, replace=True) as staged:
@@ -442,6 +449,12 @@ def _check_saved_folder(folder: Any) -> None:
         raise ValueError(f"{str(folder)!r} is a file; pass the folder st.save(folder) wrote.")
     if (path / "modules.json").is_file():
         return
+    if (path / ADAPTER_FOLDER).is_dir():  # st.save's own layout, cut short before sentence-transformers' modules.json
+        raise UBMoEFileError(
+            f"{str(folder)!r} holds a UBMoE encoder ({ADAPTER_FOLDER}/) but no modules.json: st.save into it was cut "
+            "short (its modules after the encoder, or the list of modules, were never written). Save the encoder "
+            "again (st.save(folder))."
+        )
     top = (path / "adapter_config.json").is_file()
     if top or any(path.glob("*/adapter_config.json")):  # PEFT saves an adapter not named "default" in a subfolder
         around = (path.parent / "modules.json").is_file()
