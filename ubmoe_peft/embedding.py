@@ -275,9 +275,7 @@ class UBMoEEncoder(InputModule):
         # (Pooling, Normalize...) and modules.json after it, each in place: a save that failed part-way over an
         # earlier one loaded mixed (new adapter under the old pooling, old adapter under the new prompts and
         # truncate_dim). Without modules.json until the whole save has succeeded, such a folder is refused at load.
-        listing = Path(output_path) / "modules.json"
-        if listing.is_file():
-            listing.unlink()
+        (Path(output_path) / "modules.json").unlink(missing_ok=True)
         active = getattr(self.model, "active_adapter", None)
         selected = {"selected_adapters": [active]} if isinstance(active, str) else {}
         with atomic_folder(Path(output_path) / ADAPTER_FOLDER, replace=True) as staged:

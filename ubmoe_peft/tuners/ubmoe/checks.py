@@ -267,7 +267,7 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
     expert duplicated every expert, silently; others failed later on the block's tuple output."""
     fused = {}
     for name, module in targets.items():
-        module = module.base_layer if isinstance(module, UBMoELayer) else module
+        module = _unwrapped(module)
         weight = _fused_weight(module)
         if weight is not None and weight[2][0] == 1:  # (1, 1, C): not experts but a per-channel mix, RWKV's token shift
             raise ValueError(
@@ -280,16 +280,14 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
             fused[name] = weight[:2]
     if not fused:
         return
-    # the layers whose target is an FFN: not a block above, nor an attention under another name (hybrids name every
-    # layer's block alike: Nemotron-H's `mixer` is a Mamba mixer, an attention or an FFN)
-    dense = sorted({layer_index(n) for n, m in targets.items() if n not in fused and not _is_attention(m)} - {None})
+    dense = sorted({layer_index(name) for name in targets if name not in fused} - {None})  # no attention: refused
     name, (weight, dims) = next(iter(fused.items()))
     fix = (
         f"Wrap only the layers with a dense FFN: UBMoEConfig(layers_to_transform={dense})."
         if dense
         else "The targeted layers hold no dense FFN; use a dense model."
     )
-    module = targets[name].base_layer if isinstance(targets[name], UBMoELayer) else targets[name]
+    module = _unwrapped(targets[name])
     if isinstance(module.get_submodule(weight.rpartition(".")[0]), nn.modules.conv._ConvNd):
         raise ValueError(
             f"Target module {name!r} ({type(module).__name__}, {len(fused)} of {len(targets)} targets) holds a "
@@ -305,14 +303,18 @@ def _refuse_expert_blocks(targets: dict[str, nn.Module]) -> None:
 
 def _fused_weight(module: nn.Module) -> tuple[str, int, tuple[int, ...]] | None:
     """The first parameter of 3 or more dimensions in ``module`` (name, dims, shape): no FFN of linears has one."""
-    module = module.base_layer if isinstance(module, UBMoELayer) else module
-    return next(((key, p.dim(), tuple(p.shape)) for key, p in module.named_parameters() if p.dim() >= 3), None)
+    params = _unwrapped(module).named_parameters()
+    return next(((key, p.dim(), tuple(p.shape)) for key, p in params if p.dim() >= 3), None)
 
 
 def _is_attention(module: nn.Module) -> bool:
     """An attention module, also under another name than the decoder layers' usual ones (`attention_module`)."""
-    module = module.base_layer if isinstance(module, UBMoELayer) else module
-    return "Attention" in type(module).__name__
+    return "Attention" in type(_unwrapped(module)).__name__
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The FFN itself where a UBMoE layer (of another adapter) wraps it."""
+    return module.base_layer if isinstance(module, UBMoELayer) else module
 
 
 _QUANT_STATE_PARTS = {"absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "SCB", "weight_format"}
@@ -537,7 +539,7 @@ def _module_names_once_built(modules: list[tuple[str, nn.Module]], targets: dict
     """The model's module names, with those this adapter's experts will add to the wrapped FFNs."""
     names = [n for n, _ in modules if n]
     for name, module in targets.items():  # what this adapter adds to the wrapped FFNs
-        ffn = module.base_layer if isinstance(module, UBMoELayer) else module
+        ffn = _unwrapped(module)
         inner = [n for n, _ in ffn.named_modules() if n]
         names += [f"{name}.base_layer", *(f"{name}.base_layer.{n}" for n in inner)]
         for container in _CONTAINERS:
